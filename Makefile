@@ -1,0 +1,32 @@
+# The two commands of the README. Each creates .venv and installs what it needs on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test test-slow bench clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned to the CPU wheel (2.13.0); install it first so nothing pulls a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,math]'
+	touch $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/posttrain models fetch smollm2-135m-instruct
+	$(BIN)/posttrain quickstart
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
+
+bench: $(STAMP)
+	$(BIN)/pip install -q -e '.[bench]'
+	$(BIN)/python benchmarks/sft_vs_trl.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,57 @@
+"""`posttrain <command> [--config FILE] key=value ...` — thin: parse, build config, call a recipe.
+
+Each command lives in its own module as `main(argv: list[str]) -> None`; this file only routes, so
+adding a command is one line in COMMANDS and never touches another command's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> ("module:function", one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "sft": ("posttrain.recipes.sft:main", "supervised fine-tuning (assistant-only loss, packing, LoRA)"),
+    "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
+    "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
+    "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),
+    "models": ("posttrain.models.cli:main", "list built-in models; `models fetch NAME` makes one available offline"),
+    "quickstart": ("posttrain.recipes.quickstart:main", "the flagship recipe on SmolLM2-135M-Instruct, with a report"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items())
+    return f"usage: posttrain <command> [--config FILE.yaml] [key=value ...]\n\ncommands:\n{rows}\n\n`posttrain <command> --help` lists every key with its default."
+
+
+def main(argv: list[str] | None = None) -> int:
+    from posttrain.config import ConfigError
+    from posttrain.errors import UserError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
+        return 2
+    target, _ = COMMANDS[name]
+    module, func = target.split(":")
+    fn = getattr(importlib.import_module(module), func)
+    try:
+        result = fn(rest)
+    except (ConfigError, UserError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""Configuration: pydantic models, YAML files and `key=value` overrides.
+
+Every recipe's config is a flat-ish pydantic model (nested models allowed, addressed with dotted
+keys). Unknown keys are errors that name the nearest valid key. `describe(cls)` renders the
+`--help` text: every key with its type, default and meaning.
+
+    cfg = parse_args(SFTConfig, ["--config", "configs/sft.yaml", "lr=1e-4", "lora.r=16"])
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message says what and where."""
+
+
+class Config(BaseModel):
+    """Base of every config: unknown keys are refused, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class CommonConfig(Config):
+    """Keys every recipe shares (DESIGN §3)."""
+
+    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2)")
+    data: str = Field("", description="dataset: .jsonl/.parquet file, HF datasets folder, or built-in task name")
+    output_dir: str = Field("runs/run", description="run directory (config.yaml, metrics.jsonl, checkpoints/, final/, report.html)")
+    max_steps: int = Field(100, ge=0, description="optimizer steps to run")
+    seed: int = Field(0, description="seed for data order, initialisation and sampling")
+    resume: bool = Field(False, description="continue from the newest checkpoint in output_dir/checkpoints")
+
+
+# ---------------------------------------------------------------- keys, help, suggestions
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    if _is_model(annotation):
+        return annotation
+    for arg in get_args(annotation):  # Optional[Sub]
+        if _is_model(arg):
+            return arg
+    return None
+
+
+def all_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of every leaf key of a config class."""
+    keys = []
+    for name, field in cls.model_fields.items():
+        sub = _nested_model(field.annotation)
+        if sub is not None:
+            keys.extend(all_keys(sub, f"{prefix}{name}."))
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _type_name(annotation: Any) -> str:
+    origin = get_origin(annotation)
+    if origin is None:
+        return getattr(annotation, "__name__", str(annotation))
+    args = ", ".join(_type_name(a) for a in get_args(annotation))
+    return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+
+
+def describe(cls: type[BaseModel], prefix: str = "") -> str:
+    """One line per key: `name (type) = default  meaning`."""
+    lines = []
+    for name, field in cls.model_fields.items():
+        sub = _nested_model(field.annotation)
+        if sub is not None:
+            lines.append(describe(sub, f"{prefix}{name}."))
+            continue
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"  {prefix + name} ({_type_name(field.annotation)}) = {default!r}\n      {field.description or ''}")
+    return "\n".join(lines)
+
+
+def _suggest(key: str, keys: list[str]) -> str:
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if not close:  # try the last component alone: `lr` for `optim.lr`
+        tails = {k.rsplit(".", 1)[-1]: k for k in keys}
+        hit = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(tails), n=1, cutoff=0.6)
+        close = [tails[hit[0]]] if hit else []
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _check_keys(cls: type[BaseModel], data: dict, source: str, prefix: str = "") -> None:
+    keys = all_keys(cls)
+    for name, value in data.items():
+        field = cls.model_fields.get(name)
+        if field is None:
+            raise ConfigError(f"{source}: unknown key '{prefix + name}'{_suggest(prefix + name, keys)}")
+        sub = _nested_model(field.annotation)
+        if sub is not None and isinstance(value, dict):
+            _check_keys(sub, value, source, f"{prefix}{name}.")
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of keys to values")
+    return data
+
+
+def build(cls: type[BaseModel], data: dict, source: str = "config") -> Any:
+    """Validate a dict into `cls`, turning pydantic errors into one readable ConfigError."""
+    _check_keys(cls, data, source)
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            got = err.get("input")
+            msgs.append(f"{source}: {loc}: {err['msg']} (got {got!r})")
+        raise ConfigError("\n".join(msgs)) from None
+
+
+def split_flags(argv: list[str], flags: tuple[str, ...]) -> tuple[list[str], set[str]]:
+    """Pull boolean switches such as `--json` out of argv: (rest, switches found)."""
+    return [a for a in argv if a not in flags], {a for a in argv if a in flags}
+
+
+def parse_args(cls: type[BaseModel], argv: list[str], prog: str = "posttrain") -> Any:
+    """`[--config FILE] key=value ...` -> validated config. `--help` prints every key and exits."""
+    data: dict = {}
+    overrides: list[tuple[str, Any]] = []
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            print(f"usage: {prog} [--config FILE.yaml] [key=value ...]\n")
+            print((cls.__doc__ or "").strip() + "\n\nkeys:")
+            print(describe(cls))
+            raise SystemExit(0)
+        if arg == "--config" or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+            if path is None:
+                raise ConfigError("--config needs a file name")
+            data = _deep_merge(data, load_yaml(path))
+        elif "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            overrides.append((key.strip(), _parse_value(value)))
+        else:
+            raise ConfigError(f"unexpected argument '{arg}': use key=value, --config FILE or --help")
+    keys = all_keys(cls)
+    for key, value in overrides:
+        if key not in keys and not any(k.startswith(key + ".") for k in keys):
+            raise ConfigError(f"unknown key '{key}'{_suggest(key, keys)}")
+        _set_dotted(data, key, value)
+    return build(cls, data)
+
+
+def save_yaml(cfg: BaseModel, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

@@ -89,7 +89,9 @@ def describe(cls: type[BaseModel], prefix: str = "") -> str:
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    tail = key.rsplit(".", 1)[-1]
+    exact = [k for k in keys if k.rsplit(".", 1)[-1] == tail]  # `lr` given for `optim.lr`
+    close = exact or difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     if not close:  # try the last component alone: `lr` for `optim.lr`
         tails = {k.rsplit(".", 1)[-1]: k for k in keys}
         hit = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(tails), n=1, cutoff=0.6)
@@ -182,7 +184,9 @@ def parse_args(cls: type[BaseModel], argv: list[str], prog: str = "posttrain") -
             path = arg.split("=", 1)[1] if "=" in arg else next(it, None)
             if path is None:
                 raise ConfigError("--config needs a file name")
-            data = _deep_merge(data, load_yaml(path))
+            loaded = load_yaml(path)
+            _check_keys(cls, loaded, str(path))
+            data = _deep_merge(data, loaded)
         elif "=" in arg and not arg.startswith("-"):
             key, value = arg.split("=", 1)
             overrides.append((key.strip(), _parse_value(value)))

@@ -1,0 +1,177 @@
+"""Dataset formats (the ecosystem's conventions, same keys as TRL) and their validation.
+
+    language modelling     {"text"} | {"messages"}
+    prompt-only            {"prompt"}
+    prompt-completion      {"prompt", "completion"}
+    preference             {"prompt", "chosen", "rejected"} | implicit prompt {"chosen", "rejected"}
+    unpaired preference    {"prompt", "completion", "label"}
+
+Each text field is a plain string or a conversation `[{"role", "content"}, ...]`. Extra columns
+(e.g. `answer`, `tests`) are kept and flow to reward functions as keyword arguments. Every row is
+checked before training; a problem raises DataError naming file, row and field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import DataError, UserError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+# format name -> required keys (checked in this order: the first whose keys are all present wins)
+FORMATS: dict[str, tuple[str, ...]] = {
+    "preference": ("prompt", "chosen", "rejected"),
+    "implicit_preference": ("chosen", "rejected"),
+    "unpaired_preference": ("prompt", "completion", "label"),
+    "prompt_completion": ("prompt", "completion"),
+    "conversation": ("messages",),
+    "text": ("text",),
+    "prompt_only": ("prompt",),
+}
+TEXT_FIELDS = ("text", "messages", "prompt", "completion", "chosen", "rejected")
+
+
+@dataclass
+class Row:
+    """One dataset row with where it came from (for error messages)."""
+
+    data: dict[str, Any]
+    source: str
+    number: int  # 1-based: the line in a JSONL file, the row index + 1 elsewhere
+
+    def error(self, field: str | None, problem: str) -> DataError:
+        return DataError(self.source, self.number, field, problem)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(str(path), number, None, f"invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(data, dict):
+                raise DataError(str(path), number, None, f"each line must be a JSON object, got {type(data).__name__}")
+            rows.append(Row(data, str(path), number))
+    return rows
+
+
+def _read_table(records: list[dict], source: str) -> list[Row]:
+    return [Row(dict(r), source, i + 1) for i, r in enumerate(records)]
+
+
+def read_rows(source: str | Path) -> list[Row]:
+    """Rows of a JSONL/JSON/Parquet file, an HF `datasets` folder (save_to_disk), or a built-in task."""
+    from posttrain.data import tasks
+
+    name = str(source)
+    if name in tasks.TASKS or name.split(":", 1)[0] in tasks.TASKS:
+        return _read_table(tasks.generate(name), f"task:{name}")
+    path = Path(name)
+    if not path.exists():
+        raise UserError(f"data '{name}' not found: give a .jsonl/.parquet file, a datasets folder or a task ({', '.join(tasks.TASKS)})")
+    if path.is_dir():
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as e:  # noqa: BLE001 - report what datasets said
+            raise UserError(f"{path}: not a datasets folder saved with save_to_disk ({e})") from None
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return _read_table(ds.to_list(), str(path))
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return _read_jsonl(path)
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DataError(str(path), e.lineno, None, f"invalid JSON ({e.msg})") from None
+        if not isinstance(data, list):
+            raise DataError(str(path), None, None, "a .json dataset must be a list of objects")
+        return _read_table(data, str(path))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return _read_table(pq.read_table(path).to_pylist(), str(path))
+    raise UserError(f"{path}: unsupported data file type '{suffix}' (use .jsonl, .json, .parquet or a datasets folder)")
+
+
+# ---------------------------------------------------------------- validation
+
+
+def detect_format(row: Row, allowed: tuple[str, ...] | None = None) -> str:
+    """The first format (of `allowed`, in FORMATS order) whose keys the row has."""
+    candidates = [f for f in FORMATS if allowed is None or f in allowed]
+    for name in candidates:
+        if all(k in row.data for k in FORMATS[name]):
+            return name
+    raise row.error(None, f"no usable format: the row has keys {sorted(row.data)}; expected "
+                    + " or ".join("{" + ", ".join(FORMATS[f]) + "}" for f in candidates))
+
+
+def check_conversation(row: Row, field: str, messages: Any, need_assistant: bool = False) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise row.error(field, "a conversation must be a non-empty list of {role, content} messages")
+    for i, m in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            raise row.error(where, f"a message must be an object, got {type(m).__name__}")
+        if "role" not in m:
+            raise row.error(where, "missing key 'role'")
+        if "content" not in m:
+            raise row.error(where, "missing key 'content'")
+        if m["role"] not in ROLES:
+            raise row.error(f"{where}.role", f"unknown role {m['role']!r} (allowed: {', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise row.error(f"{where}.content", f"content must be a string, got {type(m['content']).__name__}")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise row.error(f"{where}.content", "empty assistant turn (nothing to learn from)")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise row.error(field, "the conversation has no assistant turn to train on")
+
+
+def check_text_field(row: Row, field: str, need_assistant: bool = False) -> None:
+    value = row.data[field]
+    if isinstance(value, str):
+        if field != "prompt" and not value.strip():
+            raise row.error(field, "empty text")
+        return
+    if isinstance(value, list):
+        check_conversation(row, field, value, need_assistant=need_assistant)
+        return
+    raise row.error(field, f"must be a string or a list of messages, got {type(value).__name__}")
+
+
+def validate(rows: list[Row], allowed: tuple[str, ...] | None = None) -> str:
+    """Check every row; all rows must share one format (returned). `allowed` limits the formats."""
+    if not rows:
+        raise UserError("the dataset is empty")
+    fmt = detect_format(rows[0], allowed)
+    keys = FORMATS[fmt]
+    for row in rows:
+        for k in keys:
+            if k not in row.data:
+                raise row.error(k, f"missing key (the dataset's format is '{fmt}', from its first row)")
+        for k in keys:
+            if k in TEXT_FIELDS:
+                check_text_field(row, k, need_assistant=(k == "messages"))
+        if fmt == "unpaired_preference" and not isinstance(row.data["label"], bool):
+            raise row.error("label", f"must be true or false, got {row.data['label']!r}")
+    return fmt
+
+
+def load(source: str | Path, allowed: tuple[str, ...] | None = None) -> tuple[list[Row], str]:
+    rows = read_rows(source)
+    return rows, validate(rows, allowed)

@@ -1,0 +1,123 @@
+"""Chat-template rendering with an exact loss mask, found by rendering (not by `{% generation %}` tags).
+
+For assistant turn i of a conversation we render
+    before = template(messages[:i], add_generation_prompt=True)   # ends with the assistant header
+    upto   = template(messages[:i+1])                              # ends after turn i
+and the trained span is upto[len(before):], with trailing whitespace after the end-of-turn token
+left out (ChatML's "\n" after <|im_end|>): the assistant's content *and* its end-of-turn token,
+never the next turn's header. The text is then cut at span boundaries and each piece tokenized on
+its own, so trained tokens are exactly the ones the policy would generate after that header.
+Templates whose rendering of a prefix is not a prefix of the full rendering (e.g. ones that drop
+earlier reasoning) are refused with a clear error rather than silently mis-masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot be masked exactly for this conversation."""
+
+
+@dataclass
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the policy generated the token (trained), 0 elsewhere
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token spans with mask 1
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _render(tok, messages, add_generation_prompt=False, **kw) -> str:
+    if not messages and not add_generation_prompt:
+        return ""
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+
+def _encode(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def from_segments(tok, segments: list[tuple[str, bool]]) -> Tokenized:
+    """Tokenize (text, trained) pieces one by one and concatenate."""
+    ids: list[int] = []
+    mask: list[int] = []
+    spans = []
+    for text, trained in segments:
+        piece = _encode(tok, text)
+        if trained and piece:
+            spans.append((len(ids), len(ids) + len(piece)))
+        ids.extend(piece)
+        mask.extend([int(trained)] * len(piece))
+    return Tokenized(ids, mask, spans)
+
+
+def conversation_segments(tok, messages: list[dict], train_turns: set[int] | None = None, **kw) -> list[tuple[str, bool]]:
+    """Split the rendered conversation into (text, trained) pieces. Default: every assistant turn."""
+    if train_turns is None:
+        train_turns = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+    full = _render(tok, messages, **kw)
+    segments: list[tuple[str, bool]] = []
+    cursor = 0
+    for i in sorted(train_turns):
+        if messages[i]["role"] != "assistant":
+            raise TemplateError(f"message {i} is a {messages[i]['role']} turn; only assistant turns can be trained")
+        before = _render(tok, messages[:i], add_generation_prompt=True, **kw)
+        upto = _render(tok, messages[: i + 1], **kw)
+        if not upto.startswith(before) or not full.startswith(upto):
+            raise TemplateError(
+                f"the chat template does not render turn {i} as a prefix of the conversation "
+                "(it rewrites earlier turns); exact assistant masking is impossible with this template"
+            )
+        end = len(upto.rstrip())
+        content = messages[i]["content"].strip()
+        if content and content not in upto[len(before):end]:
+            raise TemplateError(f"the chat template does not reproduce assistant turn {i}'s content verbatim")
+        segments.append((full[cursor:len(before)], False))
+        segments.append((full[len(before):end], True))
+        cursor = end
+    segments.append((full[cursor:], False))
+    return [(t, m) for t, m in segments if t]
+
+
+def render_messages(tok, messages: list[dict], train_turns: set[int] | None = None, **kw) -> Tokenized:
+    return from_segments(tok, conversation_segments(tok, messages, train_turns, **kw))
+
+
+def render_prompt(tok, prompt) -> list[int]:
+    """Token ids a policy continues from: the chat template with the generation prompt, or plain text."""
+    if isinstance(prompt, str):
+        return tok(prompt)["input_ids"]
+    return _encode(tok, _render(tok, prompt, add_generation_prompt=True))
+
+
+def render_prompt_completion(tok, prompt, completion) -> Tokenized:
+    """Loss only on the completion (and the end-of-turn / EOS that closes it)."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        ids = tok(prompt)["input_ids"]
+        done = _encode(tok, completion) + [tok.eos_token_id]
+        return Tokenized(ids + done, [0] * len(ids) + [1] * len(done), [(len(ids), len(ids) + len(done))])
+    if isinstance(prompt, str) or isinstance(completion, str):
+        raise TemplateError("prompt and completion must both be strings or both be conversations")
+    messages = list(prompt) + list(completion)
+    train = {len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant"}
+    return render_messages(tok, messages, train)
+
+
+def render_text(tok, text: str) -> Tokenized:
+    """Plain language modelling: every token (and a closing EOS) is trained."""
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    return Tokenized(ids, [1] * len(ids), [(0, len(ids))])
+
+
+def render_row(tok, data: dict, fmt: str) -> Tokenized:
+    """Render one validated SFT row of a language-modelling or prompt-completion format."""
+    if fmt == "conversation":
+        return render_messages(tok, data["messages"])
+    if fmt == "text":
+        return render_text(tok, data["text"])
+    if fmt == "prompt_completion":
+        return render_prompt_completion(tok, data["prompt"], data["completion"])
+    raise TemplateError(f"format '{fmt}' has no SFT rendering")

@@ -1,0 +1,74 @@
+"""Checkpoints with everything needed to resume exactly: weights, optimizer, scheduler, RNG, data position.
+
+Layout: checkpoints/step-N/{weights.safetensors, optimizer.pt, scheduler.pt, rng.pt, state.json}.
+state.json is written last: a folder without it is incomplete and ignored. The folder is written
+under a temporary name and renamed, so an interruption never leaves a half checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """Only what the optimizer changes (all weights for full fine-tuning, the adapter under LoRA)."""
+    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int = 2) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(trainable_state(model), tmp / "weights.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.glob("step-*") if (p / "state.json").is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore everything in place; returns state.json (step, data position, ...)."""
+    weights = load_file(path / "weights.safetensors")
+    params = dict(model.named_parameters())
+    missing = [n for n in weights if n not in params]
+    if missing:
+        raise RuntimeError(f"{path}: checkpoint has parameters the model lacks: {missing[:3]}")
+    with torch.no_grad():
+        for n, t in weights.items():
+            params[n].copy_(t)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,45 @@
+"""Forward passes shared by every recipe: token log-probs at loss positions only.
+
+The backbone runs once; lm_head + log-softmax run only at positions whose target is not IGNORE,
+in chunks (ops.logprobs), so a packed row of 4k tokens with 30% prompt never builds prompt logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.data.packing import IGNORE, Batch
+from posttrain.ops.logprobs import chunked_logprobs
+
+
+def unwrap(model):
+    """The transformers CausalLM under a PEFT wrapper (LoRA layers stay in place inside it)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_and_head(model):
+    inner = unwrap(model)
+    return getattr(inner, inner.base_model_prefix), inner.get_output_embeddings()
+
+
+def hidden_states(model, batch: Batch) -> torch.Tensor:
+    """Last hidden states (B, T, H) of the decoder for a packed or padded batch."""
+    backbone, _ = backbone_and_head(model)
+    out = backbone(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=batch.attention_mask,
+        use_cache=False,
+    )
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, chunk: int = 1024):
+    """log p(target) at every loss position, flattened in row-major order: (M,), entropy (M,) | None."""
+    _, head = backbone_and_head(model)
+    h = hidden_states(model, batch)
+    sel = batch.targets != IGNORE  # (B, T)
+    return chunked_logprobs(
+        h[sel], head.weight, batch.targets[sel], bias=head.bias,
+        temperature=temperature, chunk=chunk, with_entropy=with_entropy,
+    )

@@ -1,0 +1,110 @@
+"""Pieces every recipe shares: run directory, seeding, optimizer and schedule, data order, progress."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from posttrain.config import Config, save_yaml
+from posttrain.errors import UserError
+
+
+class OptimSettings(Config):
+    lr: float = Field(1e-5, gt=0, description="peak learning rate (full fine-tuning ~1e-5, LoRA ~1e-4)")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps (0: use warmup_ratio)")
+    warmup_ratio: float = Field(0.03, ge=0, le=1, description="warmup as a fraction of max_steps when warmup_steps=0")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * min_lr_ratio")
+    schedule: str = Field("cosine", pattern="^(cosine|constant|linear)$", description="cosine | linear | constant after warmup")
+    max_grad_norm: float = Field(1.0, ge=0, description="clip the global gradient norm (0: no clipping)")
+
+
+def setup_run(cfg, resume: bool) -> Path:
+    """Create output_dir; refuse to overwrite a finished run unless resuming."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not resume and any(out.glob("checkpoints/step-*")):
+        raise UserError(f"{out} already holds a run with checkpoints: pass resume=true, or choose another output_dir")
+    out.mkdir(parents=True, exist_ok=True)
+    save_yaml(cfg, out / "config.yaml")
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def warmup_steps(opt: OptimSettings, max_steps: int) -> int:
+    return opt.warmup_steps or int(round(opt.warmup_ratio * max_steps))
+
+
+def lr_factor(step: int, opt: OptimSettings, max_steps: int) -> float:
+    """Multiplier of the peak lr at `step` (0-based): linear warmup, then cosine/linear/constant."""
+    warm = warmup_steps(opt, max_steps)
+    if step < warm:
+        return (step + 1) / warm
+    if opt.schedule == "constant" or max_steps <= warm:
+        return 1.0
+    progress = min(1.0, (step - warm) / max(1, max_steps - warm))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if opt.schedule == "cosine" else 1 - progress
+    return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * shape
+
+
+def build_optimizer(model, opt: OptimSettings, max_steps: int):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters")
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opt, max_steps))
+    return optimizer, scheduler
+
+
+class EpochSampler:
+    """Deterministic data order: epoch e visits items in randperm(n, seed + e). Position is resumable."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        if n == 0:
+            raise UserError("no training rows left after filtering")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.index = 0, 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
+        return torch.randperm(self.n, generator=g).tolist()
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.index == self.n:
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._make_order()
+            out.append(self._order[self.index])
+            self.index += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._make_order()
+
+
+def progress(total: int, initial: int, desc: str, enabled: bool = True):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled or os.environ.get("POSTTRAIN_NO_PROGRESS") == "1",
+                file=sys.stderr, dynamic_ncols=True, leave=True)

@@ -1,0 +1,296 @@
+"""Supervised fine-tuning: assistant-only loss, packing, LoRA, exact resume.
+
+Per optimizer step:
+    1. data     take `batch_size` rows (packed rows or single samples), cut into micro-batches
+    2. forward  log p(target) at loss positions only (chunked lm_head)
+    3. loss     −Σ log p / (loss tokens in the whole step)  -> accumulation == one large batch
+    4. update   clip grad norm, AdamW step, schedule step
+    5. log      metrics.jsonl (+ eval loss, samples, checkpoints at their intervals)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from posttrain.config import CommonConfig, parse_args
+from posttrain.data import formats
+from posttrain.data.packing import Batch, collate, pack_groups
+from posttrain.data.templates import TemplateError, Tokenized, render_messages, render_row, render_text
+from posttrain.errors import DataError
+from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.models.forward import token_logprobs
+from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
+from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.monitor.report import write_report
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything, setup_run
+
+SFT_FORMATS = ("conversation", "prompt_completion", "text")
+PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"
+
+
+class SFTConfig(CommonConfig):
+    """posttrain sft: supervised fine-tuning with assistant-only loss."""
+
+    data: str = Field("arithmetic", description="dataset (messages | prompt+completion | text), file, folder or task")
+    output_dir: str = Field("runs/sft", description="run directory")
+    max_steps: int = Field(50, ge=0, description="optimizer steps")
+    dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
+    max_length: int = Field(1024, ge=8, description="maximum tokens per sample, and per packed row")
+    too_long: str = Field("error", pattern="^(error|drop)$", description="a sample over max_length: error (refuse) | drop")
+    packing: bool = Field(True, description="pack samples into rows of max_length (attention never crosses samples)")
+    batch_size: int = Field(8, ge=1, description="rows per optimizer step (packed rows when packing, else samples)")
+    micro_batch_size: int = Field(2, ge=1, description="rows per forward/backward (gradient accumulation = batch/micro)")
+    optim: OptimSettings = Field(default_factory=OptimSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    eval_data: str = Field("", description="held-out data file; empty: split eval_fraction off the training data")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of rows held out for eval loss when eval_data is empty")
+    eval_every: int = Field(25, ge=0, description="eval loss every N steps (0: only at the end)")
+    eval_max_rows: int = Field(64, ge=1, description="at most this many eval samples per evaluation")
+    forgetting_probe: bool = Field(True, description="loss on an unrelated held-out text before and after training")
+    sample_every: int = Field(25, ge=0, description="write a few greedy generations to samples.jsonl every N steps (0: off)")
+    sample_count: int = Field(2, ge=0, description="generations per sampling")
+    sample_max_tokens: int = Field(48, ge=1, description="new tokens per generation in samples.jsonl")
+    save_every: int = Field(50, ge=0, description="checkpoint every N steps (0: only the final model)")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    logit_chunk: int = Field(1024, ge=1, description="rows of lm_head computed at once")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    progress: bool = Field(True, description="show a progress bar")
+
+
+# ---------------------------------------------------------------- data
+
+
+def tokenize_rows(tok, rows: list[formats.Row], fmt: str, cfg: SFTConfig) -> list[Tokenized]:
+    """Render every row; refuse (or drop) samples over max_length, naming the row."""
+    out = []
+    for row in rows:
+        try:
+            sample = render_row(tok, row.data, fmt)
+        except TemplateError as e:
+            raise row.error("messages" if fmt == "conversation" else None, str(e)) from None
+        if sum(sample.loss_mask[1:]) == 0:
+            raise row.error(None, "nothing to train on after rendering (no completion tokens)")
+        if len(sample) > cfg.max_length:
+            if cfg.too_long == "drop":
+                continue
+            raise row.error(None, f"{len(sample)} tokens > max_length={cfg.max_length} (raise max_length or set too_long=drop)")
+        out.append(sample)
+    return out
+
+
+def make_units(samples: list[Tokenized], cfg: SFTConfig) -> list[list[Tokenized]]:
+    """The things the sampler draws: packed rows (lists of samples) or single samples."""
+    if not cfg.packing:
+        return [[s] for s in samples]
+    groups = pack_groups([len(s) for s in samples], cfg.max_length)
+    return [[samples[i] for i in g] for g in groups]
+
+
+def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: bool) -> list[Batch]:
+    return [collate(units[i : i + size], pad_id, packed) for i in range(0, len(units), size)]
+
+
+def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], list[dict]]:
+    """(train samples, eval samples, eval conversations for sampling)."""
+    rows, fmt = formats.load(cfg.data, allowed=SFT_FORMATS)
+    if cfg.eval_data:
+        eval_rows, eval_fmt = formats.load(cfg.eval_data, allowed=SFT_FORMATS)
+    else:
+        g = torch.Generator().manual_seed(cfg.seed + 7)
+        order = torch.randperm(len(rows), generator=g).tolist()
+        n_eval = int(len(rows) * cfg.eval_fraction)
+        eval_rows, eval_fmt = [rows[i] for i in order[:n_eval]], fmt
+        rows = [rows[i] for i in sorted(order[n_eval:])]
+    train = tokenize_rows(tok, rows, fmt, cfg)
+    evals = tokenize_rows(tok, eval_rows, eval_fmt, cfg)[: cfg.eval_max_rows]
+    convs = [r.data["messages"] for r in eval_rows if eval_fmt == "conversation"][: cfg.sample_count]
+    return train, evals, convs
+
+
+# ---------------------------------------------------------------- evaluation helpers
+
+
+@torch.no_grad()
+def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig) -> float:
+    """Mean negative log-likelihood per loss token over `samples`."""
+    if not samples:
+        return float("nan")
+    model.eval()
+    total, count = 0.0, 0
+    for b in micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False):
+        logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk)
+        total += -logp.sum().item()
+        count += logp.numel()
+    model.train()
+    return total / max(count, 1)
+
+
+def probe_samples(tok) -> list[Tokenized]:
+    return [render_text(tok, p.strip()) for p in PROBE_TEXT.read_text().split("\n") if p.strip()]
+
+
+@torch.no_grad()
+def write_samples(model, tok, convs: list[list[dict]], step: int, path: Path, max_tokens: int) -> None:
+    model.eval()
+    with path.open("a") as f:
+        for conv in convs:
+            prompt = conv[: max(i for i, m in enumerate(conv) if m["role"] == "assistant")]
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            enc = tok(ids, add_special_tokens=False, return_tensors="pt")
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            f.write(json.dumps({"step": step, "prompt": ids, "completion": completion, "reference": conv[len(prompt)]["content"]}) + "\n")
+    model.train()
+
+
+# ---------------------------------------------------------------- training
+
+
+def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024) -> torch.Tensor:
+    """Backward of −Σ log p / N over all micro-batches, N = loss tokens of the whole step.
+
+    Dividing by the step's token count (not each micro-batch's) makes accumulation over any split
+    give exactly the gradient of one large batch. Returns the step loss (detached).
+    """
+    n_loss = sum(b.num_loss_tokens for b in batches)
+    total = torch.zeros(())
+    for b in batches:
+        logp, _ = token_logprobs(model, b, chunk=chunk)
+        loss = -logp.sum() / n_loss
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def train(cfg: SFTConfig) -> dict:
+    """Run SFT; returns the summary written to the report."""
+    resume_from = list_checkpoints(Path(cfg.output_dir))[-1] if cfg.resume and list_checkpoints(Path(cfg.output_dir)) else None
+    out = setup_run(cfg, resume=cfg.resume)
+    seed_everything(cfg.seed)
+    tok = load_tokenizer(cfg.model)
+    train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
+    units = make_units(train_samples, cfg)
+
+    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg.lora)
+    model.train()
+    trainable, total = trainable_fraction(model)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
+    sampler = EpochSampler(len(units), cfg.seed)
+    pad_id = tok.pad_token_id
+
+    start, summary = 0, {}
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+        sampler.load(state["sampler"])
+        start, summary = state["step"], state.get("summary", {})
+    elif cfg.forgetting_probe:
+        summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
+    metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start if resume_from else None)
+    if resume_from is None:
+        (out / "samples.jsonl").write_text("")
+
+    timer = PhaseTimer()
+    bar = progress(cfg.max_steps, start, "sft", cfg.progress)
+    t_run = time.perf_counter()
+    tokens_seen = 0
+    for step in range(start, cfg.max_steps):
+        t0 = time.perf_counter()
+        # 1. data
+        with timer("data"):
+            step_units = [units[i] for i in sampler.take(cfg.batch_size)]
+            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing)
+            n_loss = sum(b.num_loss_tokens for b in batches)
+        # 2-3. forward + loss, normalised over the whole step
+        with timer("forward_backward"):
+            loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk)
+        # 4. update
+        with timer("update"):
+            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        # 5. log
+        n_tok = sum(b.num_tokens for b in batches)
+        n_pad = sum(b.num_padding for b in batches)
+        tokens_seen += n_tok
+        dt = time.perf_counter() - t0
+        row = {
+            "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": n_tok, "loss_tokens": n_loss,
+            "padding_tokens": n_pad, "padding_fraction": n_pad / (n_tok + n_pad), "tokens_per_s": n_tok / dt, "epoch": sampler.epoch,
+            **timer.pop(),
+        }
+        done = step + 1
+        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
+            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
+        if done == cfg.max_steps:
+            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
+        if cfg.sample_every and sample_convs and (done % cfg.sample_every == 0 or done == cfg.max_steps):
+            write_samples(model, tok, sample_convs, done, out / "samples.jsonl", cfg.sample_max_tokens)
+        logged = metrics.write(done, row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
+        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps:
+            save_checkpoint(out, done, model, optimizer, scheduler,
+                            {"sampler": sampler.state(), "summary": summary}, keep=cfg.keep_checkpoints)
+    bar.close()
+
+    if cfg.max_steps > start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
+        save_checkpoint(out, cfg.max_steps, model, optimizer, scheduler,
+                        {"sampler": sampler.state(), "summary": summary}, keep=cfg.keep_checkpoints)
+    if cfg.forgetting_probe:
+        summary["probe_loss_after"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
+        if "probe_loss_before" in summary:
+            summary["probe_loss_delta"] = summary["probe_loss_after"] - summary["probe_loss_before"]
+    save_final(model, tok, out / "final", lora=cfg.lora.enabled)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l]
+    summary.update({
+        "steps": cfg.max_steps,
+        "trainable_params": trainable,
+        "total_params": total,
+        "trainable_fraction": trainable / total,
+        "train_samples": len(train_samples),
+        "train_rows": len(units),
+        "eval_samples": len(eval_samples),
+        "first_loss": rows[0]["loss"] if rows else math.nan,
+        "last_loss": rows[-1]["loss"] if rows else math.nan,
+        "final_eval_loss": rows[-1].get("eval/loss", math.nan) if rows else math.nan,
+        "padding_fraction": sum(r["padding_tokens"] for r in rows) / max(1, sum(r["tokens"] + r["padding_tokens"] for r in rows)),
+        "wall_seconds_this_session": time.perf_counter() - t_run,
+        "tokens_this_session": tokens_seen,
+    })
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_report(out, f"SFT — {cfg.model}", {"summary": summary, "config": cfg.model_dump(mode="json")})
+    return summary
+
+
+def save_final(model, tok, path: Path, lora: bool) -> None:
+    """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/."""
+    path.mkdir(parents=True, exist_ok=True)
+    if lora:
+        model.save_pretrained(path / "adapter")
+        tok.save_pretrained(path / "adapter")
+        model = model.merge_and_unload()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_args(SFTConfig, argv, prog="posttrain sft")
+    summary = train(cfg)
+    keys = ("first_loss", "last_loss", "final_eval_loss", "probe_loss_delta", "padding_fraction")
+    print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if k in summary))
+    print(f"run directory: {cfg.output_dir} (report.html, metrics.jsonl, final/)")

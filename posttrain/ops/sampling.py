@@ -1,0 +1,113 @@
+"""The one sampling function: logits -> the exact distribution a token is drawn from.
+
+The engine samples with it and the trainer recomputes behaviour log-probs with it, so the two can
+only disagree by the logits (train–inference consistency, SPEC §3).
+
+Semantics of `process_logits(logits, temperature, top_k, top_p)` (same order as HF `generate` and
+vLLM: temperature, then top-k, then top-p), per row:
+
+1. temperature == 0 means greedy: the distribution is one-hot at `argmax` (first index on ties);
+   log-prob 0 there, -inf elsewhere. Otherwise `z = logits / temperature` (computed in float32).
+2. top_k > 0 keeps every token whose value is >= the k-th largest value of z (ties at the k-th
+   value are all kept, as in HF's TopKLogitsWarper, so more than k tokens can survive); top_k = 0
+   (or >= vocab) keeps all.
+3. top_p < 1 acts on p = softmax(z restricted to the kept set): token i is kept iff the mass of the
+   tokens strictly more probable than it is < top_p. Without ties this is HF's TopPLogitsWarper
+   (the smallest most-probable set whose mass reaches top_p; the top token is always kept); with
+   ties it keeps the whole tied group, so the result never depends on sort order.
+4. The result is log_softmax over the kept set: finite log-probs that sum (in prob) to 1 on the
+   kept set, -inf outside it.
+
+`sample(logprobs, uniforms)` draws one token per row by inverting the CDF of exp(logprobs) at a
+given uniform in [0, 1). Tokens with probability 0 are never drawn. The uniforms come from
+`counter_uniforms(seed, sample_index, step)`: a stateless hash of (seed, sample index, token
+index), so a sample's tokens depend on its seed only, never on what else is in the batch, and a
+preempted sequence that is recomputed draws the same tokens again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """Log-probs (float32, same shape as `logits` (..., V)) of the truncated, renormalised distribution.
+
+    `temperature`, `top_k`, `top_p` are scalars or tensors broadcastable to logits.shape[:-1]
+    (one value per row). See the module docstring for the exact semantics.
+    """
+    z = logits.float()
+    lead, V = z.shape[:-1], z.shape[-1]
+    temp = torch.as_tensor(temperature, dtype=torch.float32, device=z.device).expand(lead)
+    greedy = temp == 0
+    z = z / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+
+    k = torch.as_tensor(top_k, dtype=torch.long, device=z.device).expand(lead)
+    k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)
+    if bool((k < V).any()):
+        kmax = int(k.max())
+        top = torch.topk(z, kmax, dim=-1).values  # (..., kmax) descending
+        kth = top.gather(-1, (k - 1).unsqueeze(-1))  # (..., 1) the k-th largest value
+        z = z.masked_fill(z < kth, float("-inf"))
+
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=z.device).expand(lead)
+    if bool((p < 1).any()):
+        probs = torch.softmax(z, dim=-1)
+        sorted_p, _ = torch.sort(probs, dim=-1, descending=True)
+        mass_above = torch.cumsum(sorted_p, dim=-1) - sorted_p  # exclusive prefix sum
+        n_keep = (mass_above < p.unsqueeze(-1)).sum(-1, keepdim=True).clamp(min=1)
+        p_min = sorted_p.gather(-1, n_keep - 1)  # smallest kept probability; ties are kept too
+        z = z.masked_fill((probs < p_min) & (p < 1).unsqueeze(-1), float("-inf"))
+
+    logprobs = torch.log_softmax(z, dim=-1)
+    if bool(greedy.any()):
+        onehot = torch.full_like(logprobs, float("-inf"))
+        onehot.scatter_(-1, logits.float().argmax(-1, keepdim=True), 0.0)
+        logprobs = torch.where(greedy.unsqueeze(-1), onehot, logprobs)
+    return logprobs
+
+
+def sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logprobs` (N, V): the smallest index whose CDF exceeds u·total.
+
+    `uniforms` (N,) in [0, 1). The CDF is accumulated in float64, so rounding cannot push the draw
+    onto a token of probability 0.
+    """
+    cdf = torch.cumsum(logprobs.double().exp(), dim=-1)  # (N, V)
+    target = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=logprobs.shape[-1] - 1)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' lowbias32 integer hash on int64 tensors holding values in [0, 2^32)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) (multiples of 2^-24), a pure function of (seed, sample index, token index).
+
+    All arguments are int64 tensors of the same shape (N,); `seed` may use all 64 bits.
+    """
+    seed = seed.long()
+    h = _hash32(step.long() ^ 0x5BD1E995)
+    h = _hash32(h ^ sample_index.long())
+    h = _hash32(h ^ (seed & _M32))
+    h = _hash32(h ^ ((seed >> 32) & _M32))
+    return (h >> 8).double() / float(1 << 24)
+
+
+def sample_with_seed(logits, temperature, top_k, top_p, seed, sample_index, step):
+    """Convenience: process -> draw with counter uniforms. Returns (tokens (N,), logprobs of them (N,))."""
+    logprobs = process_logits(logits, temperature, top_k, top_p)
+    u = counter_uniforms(torch.as_tensor(seed).expand(logits.shape[0]), torch.as_tensor(sample_index).expand(logits.shape[0]),
+                         torch.as_tensor(step).expand(logits.shape[0]))
+    tokens = sample(logprobs, u.to(logprobs.device))
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,331 @@
+"""The built-in rollout engine: requests in, samples with behaviour log-probs out.
+
+    engine = Engine(model, tokenizer, EngineConfig(max_num_seqs=64))
+    outs = engine.generate([Request(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=64))])
+
+Parts (like nano-vllm): `sequence` (state of one sample), `kv` (paged blocks, prefix cache),
+`scheduler` (admission, growth, preemption; model-free), `runner` (compact Llama/Qwen2 forward over
+the KV cache), and this file: per-slot tensors and `step()`, which reads top to bottom:
+schedule -> forward -> sample -> record/finish.
+
+Per-sequence sampling state lives in tensors indexed by slot (temperature, top-k/p, seed, stop ids,
+generated tokens and log-probs), so a decode step does no Python work per sequence: Python touches a
+sequence only when it joins, needs a new KV block (once per block_size tokens), has stop strings, or
+finishes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import Field
+
+from posttrain.config import Config
+from posttrain.ops.sampling import counter_uniforms, process_logits, sample
+from posttrain.rollout.kv import BlockManager
+from posttrain.rollout.runner import Runner
+from posttrain.rollout.scheduler import Batch, Scheduler
+from posttrain.rollout.sequence import Group, Sequence
+from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams
+
+
+class EngineConfig(Config):
+    """Built-in engine settings."""
+
+    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together (batch rows)")
+    max_model_len: int = Field(2048, ge=2, description="prompt + completion tokens per sequence (capped at the model's max_position_embeddings)")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB, allocated once (also capped at 2 x max_num_seqs x max_model_len tokens)")
+    max_prefill_tokens: int = Field(4096, ge=1, description="uncached prompt tokens per prefill step (one longer prompt still runs alone)")
+    seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
+
+
+@dataclass
+class EngineStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens computed
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache or shared by forking
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    occupancy_sum: float = 0.0  # running / max_num_seqs, summed over decode steps
+    peak_kv_blocks: int = 0
+    preemptions: int = 0
+
+    def as_dict(self, kv_block_bytes: int = 0, max_num_seqs: int = 1) -> dict:
+        total = self.prefill_s + self.decode_s
+        return {
+            "generated_tokens": self.generated_tokens, "prefill_tokens": self.prefill_tokens,
+            "cached_prompt_tokens": self.cached_tokens, "prefill_s": self.prefill_s, "decode_s": self.decode_s,
+            "tokens_per_s": self.generated_tokens / total if total else 0.0,
+            "decode_tokens_per_s": self.generated_tokens / self.decode_s if self.decode_s else 0.0,
+            "decode_steps": self.decode_steps,
+            "batch_occupancy": self.occupancy_sum / self.decode_steps if self.decode_steps else 0.0,
+            "peak_kv_mb": self.peak_kv_blocks * kv_block_bytes / 2**20, "preemptions": self.preemptions,
+        }
+
+
+@dataclass(eq=False)
+class _RequestState:
+    request: Request
+    output: RequestOutput
+    seed: int
+    stop_ids: list[int]
+    remaining: int
+    completions: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        self.model, self.tokenizer, self.config = model, tokenizer, config or EngineConfig()
+        cfg = self.config
+        mcfg = model.config
+        self.max_model_len = min(cfg.max_model_len, getattr(mcfg, "max_position_embeddings", cfg.max_model_len))
+        bs = cfg.block_size
+        per_seq_blocks = -(-self.max_model_len // bs)
+        self.kv_block_bytes = Runner.kv_bytes_per_token(model) * bs
+        num_blocks = min(int(cfg.kv_cache_mb * 2**20 // self.kv_block_bytes), 2 * cfg.max_num_seqs * per_seq_blocks)
+        if num_blocks < per_seq_blocks:
+            raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
+        self.runner = Runner(model, num_blocks, bs, self.max_model_len)
+        self.blocks = BlockManager(num_blocks, bs)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.default_eos = self._eos_ids()
+        self.rng = random.Random(cfg.seed)
+        self.stats = EngineStats()
+        self._weights_version = self._version()
+        self._t0 = time.perf_counter()
+        S, dev = cfg.max_num_seqs, self.runner.device
+        z = lambda dt=torch.long: torch.zeros(S, dtype=dt, device=dev)  # noqa: E731
+        self.tables = torch.zeros(S, per_seq_blocks, dtype=torch.long, device=dev)
+        self.ntok, self.last, self.ngen, self.max_new = z(), z(), z(), z()
+        self.seed, self.sidx, self.topk = z(), z(), z()
+        self.temp, self.topp = z(torch.float32), z(torch.float32)
+        self.stop_ids = torch.full((S, 1), -1, dtype=torch.long, device=dev)
+        self.has_stop_str = z(torch.bool)
+        self.out_tok = torch.zeros(S, self.max_model_len, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(S, self.max_model_len, dtype=torch.float32, device=dev)
+        self._slot_seq: dict[int, Sequence] = {}
+        self._rows = None  # cached LongTensor of running slots
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    # ------------------------------------------------------------ weights
+    def _version(self):
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+        self._weights_version = self._version()
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict) -> None:
+        """Copy new weights into the engine's model in place (names as in model.state_dict())."""
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, value in state_dict.items():
+            if name not in params:
+                raise KeyError(f"update_weights: unknown parameter '{name}'")
+            params[name].copy_(value)
+        self.reset_prefix_cache()
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request: Request, index: int = 0) -> _RequestState:
+        """Validate and queue one request; a bad one gets `output.error` and is not queued."""
+        p = request.params
+        out = RequestOutput(request.request_id if request.request_id is not None else index, list(request.prompt_token_ids or []))
+        seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
+        state = _RequestState(request, out, seed, [] if p.ignore_eos else (self.default_eos if p.stop_token_ids is None else list(p.stop_token_ids)), p.n)
+        try:
+            p.validate()
+            ids = request.prompt_token_ids
+            if not ids:
+                raise ValueError("empty prompt")
+            vocab = self.runner.embed.weight.shape[0]
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)")
+            if p.stop_strings and self.tokenizer is None:
+                raise ValueError("stop_strings need a tokenizer")
+        except ValueError as e:
+            out.error = f"request {out.request_id}: {e}"
+            state.remaining = 0
+            return state
+        chunk = self.config.max_num_seqs
+        for j0 in range(0, p.n, chunk):
+            parent = Sequence(list(ids), len(ids), j0, state)
+            self.scheduler.add(Group(parent, list(range(j0, min(p.n, j0 + chunk)))))
+        return state
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        """Run requests to completion (continuous batching); outputs in request order."""
+        if self._version() != self._weights_version:  # weights changed in place: cached KV is stale
+            self.reset_prefix_cache()
+        self._t0 = time.perf_counter()
+        states = [self.add_request(r, i) for i, r in enumerate(requests)]
+        while self.scheduler.has_work():
+            self.step()
+        return [s.output for s in states]
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> None:
+        batch = self.scheduler.schedule()
+        for g in batch.rejected:
+            self._fail(g, f"prompt of {len(g.parent.token_ids)} tokens does not fit in the KV cache ({self.blocks.num_blocks} blocks)")
+        if batch.kind == "prefill" and batch.groups:
+            self._prefill(batch)
+        elif batch.kind == "decode":
+            self._decode(batch)
+        self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, self.blocks.num_used)
+
+    def _prefill(self, batch: Batch) -> None:
+        t = time.perf_counter()
+        groups = batch.groups
+        for g in groups:
+            self.stats.prefill_tokens += len(g.parent.token_ids) - g.parent.num_computed
+            self.stats.cached_tokens += g.parent.num_computed + (g.size - 1) * len(g.parent.token_ids)
+            if not g.resume:
+                g.parent.request.output.num_cached_prompt_tokens = g.parent.num_computed
+        logits = self.runner.prefill([(g.parent.token_ids, g.parent.num_computed, g.parent.block_table) for g in groups])
+        seqs, which = [], []
+        for gi, g in enumerate(groups):
+            started, copies = self.scheduler.start(g)
+            self.runner.copy_blocks(copies)
+            for s in started:
+                self._join(s)
+            seqs += started
+            which += [gi] * len(started)
+            st = g.parent.request
+            if st.output.time_first_token is None:
+                st.output.time_first_token = time.perf_counter() - self._t0
+        self._rows = None
+        self._sample_and_record(seqs, torch.tensor([s.slot for s in seqs], device=self.runner.device),
+                                logits[torch.tensor(which, device=logits.device)])
+        self.stats.prefill_s += time.perf_counter() - t
+
+    def _decode(self, batch: Batch) -> None:
+        t = time.perf_counter()
+        for s in batch.preempted:
+            self._leave(s)
+            self.stats.preemptions += 1
+        for s, j, b in batch.new_blocks:
+            self.tables[s.slot, j] = b
+        rows = self._running_rows()
+        if rows.numel():
+            pos = self.ntok[rows] - 1
+            nb = int(pos.max()) // self.blocks.block_size + 1
+            logits = self.runner.decode(self.last[rows], pos, self.tables[rows, :nb])
+            self._sample_and_record(self.scheduler.running, rows, logits)
+            self.stats.decode_steps += 1
+            self.stats.occupancy_sum += rows.numel() / self.config.max_num_seqs
+        self.stats.decode_s += time.perf_counter() - t
+
+    def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
+        """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
+        logprobs = process_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows])
+        g = self.ngen[rows]
+        tok = sample(logprobs, counter_uniforms(self.seed[rows], self.sidx[rows], g))
+        self.out_tok[rows, g] = tok
+        self.out_lp[rows, g] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
+        self.ngen[rows] = g + 1
+        self.ntok[rows] += 1
+        self.last[rows] = tok
+        self.stats.generated_tokens += rows.numel()
+        done = (self.stop_ids[rows] == tok.unsqueeze(1)).any(1) | (g + 1 >= self.max_new[rows])
+        # stop strings need the text: those rows (only) are checked in Python every step
+        hits = (done | self.has_stop_str[rows]).nonzero().squeeze(1).tolist()
+        finished = [(seqs[i], *self._stop_reason(seqs[i])) for i in hits]
+        for seq, stop, reason in finished:
+            if stop is not None or reason == "length":
+                self._finish(seq, reason, stop)
+
+    # ------------------------------------------------------------ sequence transitions
+    def _join(self, s: Sequence) -> None:
+        st: _RequestState = s.request
+        p, k = st.request.params, s.slot
+        n = len(s.token_ids)
+        self.tables[k, :len(s.block_table)] = torch.tensor(s.block_table)
+        self.ntok[k], self.last[k], self.ngen[k] = n, s.token_ids[-1], s.num_generated
+        self.max_new[k] = min(p.max_new_tokens, self.max_model_len - s.prompt_len)
+        self.temp[k], self.topk[k], self.topp[k] = float(p.temperature), p.top_k, float(p.top_p)
+        self.seed[k], self.sidx[k] = st.seed, s.sample_index
+        if len(st.stop_ids) > self.stop_ids.shape[1]:
+            pad = torch.full((self.stop_ids.shape[0], len(st.stop_ids) - self.stop_ids.shape[1]), -1, dtype=torch.long, device=self.stop_ids.device)
+            self.stop_ids = torch.cat([self.stop_ids, pad], 1)
+        self.stop_ids[k] = -1
+        if st.stop_ids:
+            self.stop_ids[k, :len(st.stop_ids)] = torch.tensor(st.stop_ids)
+        if s.num_generated:  # resumed after preemption: restore its completion so far
+            self.out_tok[k, :s.num_generated] = torch.tensor(s.token_ids[s.prompt_len:])
+            self.out_lp[k, :s.num_generated] = torch.tensor(s.logprobs)
+        self.has_stop_str[k] = bool(p.stop_strings)
+        self._slot_seq[k] = s
+
+    def _sync(self, s: Sequence) -> None:
+        n = int(self.ngen[s.slot])
+        s.token_ids = s.token_ids[:s.prompt_len] + self.out_tok[s.slot, :n].tolist()
+        s.logprobs = self.out_lp[s.slot, :n].tolist()
+
+    def _leave(self, s: Sequence) -> None:
+        """A preempted sequence: keep its tokens; its slot may be reused."""
+        self._sync(s)
+        self._rows = None
+
+    def _stop_reason(self, s: Sequence):
+        st: _RequestState = s.request
+        k = s.slot
+        n = int(self.ngen[k])
+        tok = int(self.out_tok[k, n - 1])
+        if tok in st.stop_ids:
+            return tok, "stop"
+        if st.request.params.stop_strings:
+            window = max(len(x) for x in st.request.params.stop_strings) + 8
+            tail = self.tokenizer.decode(self.out_tok[k, max(0, n - window):n].tolist())
+            for x in st.request.params.stop_strings:
+                if x in tail:
+                    return x, "stop"
+        if n >= int(self.max_new[k]):
+            return None, "length"
+        return None, None
+
+    def _finish(self, s: Sequence, reason: str, stop) -> None:
+        self._sync(s)
+        self.scheduler.finish(s)
+        self._rows = None
+        st: _RequestState = s.request
+        completion = s.token_ids[s.prompt_len:]
+        text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer is not None else None
+        st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop)
+        st.remaining -= 1
+        if st.remaining == 0:
+            st.output.samples = [st.completions[j] for j in range(st.request.params.n)]
+            st.output.time_finished = time.perf_counter() - self._t0
+
+    def _fail(self, g: Group, message: str) -> None:
+        st: _RequestState = g.parent.request
+        st.output.error = f"request {st.output.request_id}: {message}"
+        st.output.samples = []
+        st.remaining = 0
+        # drop the request's other queued groups
+        self.scheduler.waiting = type(self.scheduler.waiting)(x for x in self.scheduler.waiting if x.parent.request is not st)
+
+    def _running_rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = torch.tensor([s.slot for s in self.scheduler.running], dtype=torch.long, device=self.runner.device)
+        return self._rows
+
+    def metrics(self) -> dict:
+        d = self.stats.as_dict(self.kv_block_bytes, self.config.max_num_seqs)
+        d["kv_in_use_mb"] = self.blocks.num_used * self.kv_block_bytes / 2**20
+        d["kv_capacity_mb"] = self.blocks.num_blocks * self.kv_block_bytes / 2**20
+        return d

@@ -1,0 +1,178 @@
+"""Model runner: a compact Llama/Qwen2 forward over a paged KV cache, reading the HF module's weights.
+
+It holds references to the HF model's modules and reads `module.weight` at every forward, so an
+optimizer step on the same model (in place, or even a replaced Parameter) is seen by the next
+generation without any copy. Numerics follow transformers' modeling_llama / modeling_qwen2:
+RMSNorm in float32 then cast, RoPE cos/sin from the model's own `rotary_emb.inv_freq` and
+`attention_scaling` (so rope_scaling types with static frequencies — default, linear, llama3, yarn —
+match), GQA attention with SDPA and scale head_dim**-0.5, SwiGLU MLP.
+
+KV storage: k/v of shape (layers, num_blocks * block_size, kv_heads, head_dim), allocated once.
+Decode attends all running sequences in one batched SDPA call per layer: each sequence's blocks are
+gathered with one `index_select` (B, T, kv_heads, head_dim) and padding is masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.errors import UserError
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def check_supported(model) -> None:
+    cfg = model.config
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SUPPORTED:
+        raise UserError(f"the builtin engine runs {', '.join(SUPPORTED)} models, not '{mt}'; use backend=hf")
+    if hasattr(model, "peft_config"):
+        raise UserError("the builtin engine needs plain weights: merge the LoRA adapter (merge_and_unload) or use backend=hf")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise UserError(f"builtin engine: hidden_act '{cfg.hidden_act}' is not supported; use backend=hf")
+    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise UserError("builtin engine: sliding-window attention is not supported; use backend=hf")
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise UserError(f"builtin engine: rope type '{rope_type}' changes with length; use backend=hf")
+
+
+def _rmsnorm(x: torch.Tensor, mod) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
+    return mod.weight * h.to(x.dtype)
+
+
+def _linear(x, mod):
+    return F.linear(x, mod.weight, mod.bias)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, D); cos/sin (N, 1, D): x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Runner:
+    def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int):
+        check_supported(model)
+        cfg = model.config
+        self.model = model
+        self.layers = model.model.layers
+        self.norm, self.embed, self.lm_head = model.model.norm, model.model.embed_tokens, model.lm_head
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = self.n_heads // self.n_kv
+        self.block_size, self.num_blocks = block_size, num_blocks
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        rot = model.model.rotary_emb
+        inv_freq = rot.inv_freq.float().to(self.device)
+        pos = torch.arange(max_model_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)  # (max_len, D), cast as HF does
+        self.sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
+        shape = (len(self.layers), num_blocks * block_size, self.n_kv, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @staticmethod
+    def kv_bytes_per_token(model, dtype=None) -> int:
+        cfg = model.config
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        el = torch.empty((), dtype=dtype or next(model.parameters()).dtype).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * el
+
+    # ------------------------------------------------------------ KV helpers
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        bs = self.block_size
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            view = cache.view(cache.shape[0], self.num_blocks, bs, self.n_kv, self.head_dim)
+            view[:, dst] = view[:, src]
+
+    def _gather(self, cache_l: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """cache_l (slots, kv, D), tables (B, nb) -> (B, kv, nb*bs, D)."""
+        B, nb = tables.shape
+        blocks = cache_l.view(self.num_blocks, self.block_size, self.n_kv, self.head_dim)
+        return blocks.index_select(0, tables.reshape(-1)).view(B, nb * self.block_size, self.n_kv, self.head_dim).transpose(1, 2)
+
+    # ------------------------------------------------------------ forward
+    def _forward(self, tokens, positions, slots, attend) -> torch.Tensor:
+        """tokens/positions/slots (N,) -> final hidden (N, H). `attend(layer, q)` -> (N, heads*D)."""
+        N = tokens.shape[0]
+        x = F.embedding(tokens, self.embed.weight)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = _rmsnorm(x, layer.input_layernorm)
+            q = _rope(_linear(h, a.q_proj).view(N, self.n_heads, self.head_dim), cos, sin)
+            k = _rope(_linear(h, a.k_proj).view(N, self.n_kv, self.head_dim), cos, sin)
+            self.k_cache[i].index_copy_(0, slots, k)
+            self.v_cache[i].index_copy_(0, slots, _linear(h, a.v_proj).view(N, self.n_kv, self.head_dim))
+            x = x + _linear(attend(i, q), a.o_proj)
+            h = _rmsnorm(x, layer.post_attention_layernorm)
+            m = layer.mlp
+            x = x + _linear(F.silu(_linear(h, m.gate_proj)) * _linear(h, m.up_proj), m.down_proj)
+        return _rmsnorm(x, self.norm)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None))
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """seqs: (all token ids, tokens already cached, block table). Computes KV of the uncached
+        tokens of each and returns the logits at each sequence's last position (S, V)."""
+        bs, dev = self.block_size, self.device
+        toks, pos, slots, spans = [], [], [], []
+        for token_ids, cached, table in seqs:
+            L = len(token_ids)
+            p = range(cached, L)
+            toks.extend(token_ids[cached:])
+            pos.extend(p)
+            slots.extend(table[j // bs] * bs + j % bs for j in p)
+            spans.append((len(toks) - (L - cached), L - cached, L, cached, table))
+        tokens = torch.tensor(toks, device=dev)
+        positions = torch.tensor(pos, device=dev)
+        tables = [torch.tensor(t[4], device=dev).unsqueeze(0) for t in spans]
+        G, D = self.group, self.head_dim
+
+        def attend(i, q):
+            out = []
+            for (start, n, L, cached, _), table in zip(spans, tables):
+                qi = q[start:start + n].transpose(0, 1)  # (heads, n, D)
+                k = self._gather(self.k_cache[i], table)[0, :, :L].repeat_interleave(G, dim=0)  # (heads, L, D)
+                v = self._gather(self.v_cache[i], table)[0, :, :L].repeat_interleave(G, dim=0)
+                if cached == 0:
+                    o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=D ** -0.5)
+                else:  # query j (position cached + j) sees keys 0..cached + j
+                    mask = torch.arange(L, device=dev)[None, :] <= torch.arange(cached, L, device=dev)[:, None]
+                    o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=D ** -0.5)
+                out.append(o.transpose(0, 1).reshape(n, -1))
+            return torch.cat(out, 0)
+
+        hidden = self._forward(tokens, positions, torch.tensor(slots, device=dev), attend)
+        last = torch.tensor([s + n - 1 for s, n, *_ in spans], device=dev)
+        return self.logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence. tokens/positions (B,), tables (B, nb) block ids -> logits (B, V)."""
+        bs, B = self.block_size, tokens.shape[0]
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        T = tables.shape[1] * bs
+        mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None]).view(B, 1, 1, T)
+        scale = self.head_dim ** -0.5
+
+        def attend(i, q):
+            q = q.view(B, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
+            k, v = self._gather(self.k_cache[i], tables), self._gather(self.v_cache[i], tables)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, -1)
+
+        return self.logits(self._forward(tokens, positions, slots, attend))

@@ -1,0 +1,88 @@
+"""The engine's typed API: requests and sampling parameters in, outputs out (all backends share it)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one request (see posttrain.ops.sampling for the semantics).
+
+    temperature 0 = greedy. top_k 0 = off. top_p 1 = off. stop_token_ids None = the model's eos
+    ids; [] = none. A stop token is kept in the output (its log-prob is a policy action); text stops
+    are checked on the decoded completion and the token that completes them is kept too.
+    seed None = drawn from the engine's seed; sample j of a request uses stream (seed, j).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] | None = None
+    stop_strings: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (got {self.n!r})")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
+        if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, 0 = off (got {self.top_k!r})")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})")
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings (got {self.stop_strings!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or not (-(2**63) <= self.seed < 2**63)):
+            raise ValueError(f"seed must be a 64-bit integer or None (got {self.seed!r})")
+
+
+@dataclass
+class Request:
+    """One prompt (token ids, already templated) and how to sample it; `request_id` is echoed back."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | int | None = None
+
+
+@dataclass
+class Completion:
+    """One sample. `logprobs[i]` = log-prob of `token_ids[i]` under the processed distribution it was drawn from.
+
+    finish_reason: "stop" (stop token or stop string), "length" (max_new_tokens or context full).
+    """
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    """All samples of one request, or `error` (then `samples` is empty) when the request was refused."""
+
+    request_id: str | int | None
+    prompt_token_ids: list[int]
+    samples: list[Completion] = field(default_factory=list)
+    error: str | None = None
+    # seconds since generate() was called
+    time_first_token: float | None = None
+    time_finished: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (not recomputed)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

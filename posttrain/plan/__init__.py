@@ -1,0 +1,13 @@
+"""The cost planner (SPEC §10): predict memory, tokens, FLOPs and time of a method before running it.
+
+    from posttrain.plan import predict
+    predict("llama-3-8b", "ppo")["memory_bytes_total"]   # 288e9-ish: 128 + 128 + 16 + 16 GB
+
+Modules: `arch` (parameters, LoRA, KV from a config), `cost` (the formulas), `methods` (models and passes
+per method, SPEC §0), `predict` (one plan as a dict), `report` (the table), `measure` (what a run
+records next to its prediction in `plan.json`), `cli` (`posttrain plan`).
+"""
+
+from posttrain.plan.predict import predict, predict_config, resolve_model
+
+__all__ = ["predict", "predict_config", "resolve_model"]

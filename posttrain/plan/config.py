@@ -1,0 +1,65 @@
+"""`PlanConfig`: every key `posttrain plan` and `posttrain.plan.predict` accept."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field, field_validator
+
+from posttrain.config import Config
+
+
+class PlanConfig(Config):
+    """Predict memory, tokens, FLOPs and time of a post-training method before running it (SPEC §10).
+    Add --json to print the prediction as JSON."""
+
+    model: str = Field("tiny-random", description="HF folder, known architecture (llama-3-8b, llama-3-70b, qwen2.5-0.5b, "
+                       "qwen2.5-7b, smollm2-135m), built-in (tiny-random, smollm2-135m-instruct), or a parameter count (8e9, 8B)")
+    method: str = Field("sft", description="sft | rm | dpo | ppo | grpo | rlvr | agent | distill | rs")
+
+    # shape of a step
+    batch: int = Field(8, ge=1, description="sequences per step (sft, distill logit/sequence), pairs (rm, dpo), or prompts (rs, ppo, grpo, rlvr, agent, distill on_policy)")
+    group: Optional[int] = Field(None, ge=1, description="samples per prompt G (default 8 for grpo/rlvr/agent/rs, 1 otherwise); the N of best-of-N for rs")
+    seq_len: int = Field(512, ge=1, description="tokens per sequence (sft, rm, dpo, distill logit); generated tokens per sample (rs, ppo, grpo, rlvr, distill); generated tokens per turn (agent)")
+    prompt_len: int = Field(0, ge=0, description="prompt tokens per sample, processed but not generated (sampling methods)")
+    turns: int = Field(1, ge=1, description="agent: model turns per trajectory")
+    return_len: int = Field(0, ge=0, description="agent: environment/tool tokens returned after each turn but the last")
+    micro_batch: Optional[int] = Field(None, ge=1, description="sequences per forward/backward for the activation estimate (default: the whole step)")
+    logit_copies: float = Field(3, ge=0, description="(tokens × vocab) tensors alive at the loss: 3 for the HF loss, 1 with chunked selective log-softmax")
+
+    # method options (SPEC §0)
+    beta: Optional[float] = Field(None, ge=0, description="KL coefficient; 0 loads no reference (default ppo 0.02, grpo 0.04, rlvr/agent 0)")
+    reward: Optional[str] = Field(None, description="rs/ppo/grpo/rlvr/agent: 'model' (a reward model in memory) or 'verifier' (no model)")
+    reward_model: Optional[str] = Field(None, description="size or architecture of the reward model (default: same as model)")
+    value_model: Optional[bool] = Field(None, description="grpo/rlvr/agent: add a value model (PPO always has one)")
+    precompute_ref: bool = Field(True, description="dpo: reference log-probs computed once beforehand, reference not held in memory")
+    distill: str = Field("on_policy", description="distill: on_policy (student samples, teacher scores) | logit | sequence")
+    teacher: Optional[str] = Field(None, description="distill: teacher size or architecture (default: same as model)")
+    top_k: int = Field(64, ge=1, description="distill: teacher log-probs stored per position (top-k)")
+
+    # precision, LoRA
+    lora_r: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning); needs an architecture, not a bare count")
+    lora_targets: str = Field("all-linear", description="LoRA target modules: all-linear or a comma list (q_proj,v_proj,...)")
+    dtype: str = Field("bf16", description="dtype of frozen weights, KV cache and activations (bf16, fp16, fp32, fp8, int8, int4)")
+    train_bytes_per_param: float = Field(16, gt=0, description="training state per trainable param (weights + grads + Adam m, v)")
+    infer_bytes_per_param: Optional[float] = Field(None, gt=0, description="bytes per frozen param (default: from dtype)")
+    kv_dtype: Optional[str] = Field(None, description="KV cache dtype (default: dtype)")
+
+    # run length and hardware
+    tokens: Optional[float] = Field(None, gt=0, description="tokens of the whole run (D), e.g. 2e9; or give steps")
+    steps: Optional[int] = Field(None, ge=1, description="optimizer steps of the whole run")
+    hardware: Optional[str] = Field(None, description="named accelerator: h100, h200, a100, b200 (sets peak_flops and device_memory)")
+    peak_flops: Optional[float] = Field(None, gt=0, description="peak FLOP/s of one device (H100 dense BF16: 989e12)")
+    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation, in (0, 1]")
+    devices: int = Field(1, ge=1, description="devices sharing a step (divides seconds_per_step)")
+    device_memory: Optional[float] = Field(None, gt=0, description="bytes of memory per device, e.g. 80e9 (gives devices_for_memory)")
+
+    # evaluation uncertainty
+    eval_n: int = Field(0, ge=0, description="items of an evaluation: prints the 95% interval half-width (0 = skip)")
+    eval_p: float = Field(0.5, ge=0, le=1, description="accuracy used for the interval (0.5 = widest)")
+
+    @field_validator("model", "reward_model", "teacher", mode="before")
+    @classmethod
+    def _number_as_text(cls, v):
+        # `model=8000000000` arrives as an int and `model=7.0e9` as a float from the YAML parser.
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v

@@ -114,24 +114,55 @@ def pick_python(switch_uid: bool) -> str:
     return chosen
 
 
-def _procs_of_uid(uid: int) -> list[int]:
+def _procs_of_uid(uid: int, live_only: bool = False) -> list[int]:
+    """Pids owned by `uid` (with live_only, zombies are left out)."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            if os.stat(f"/proc/{name}").st_uid == uid:
-                pids.append(int(name))
-        except OSError:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            if live_only:
+                with open(f"/proc/{name}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue
+            pids.append(int(name))
+        except (OSError, IndexError):
             pass
     return pids
+
+
+_SUBREAPER = False
+
+
+def _become_subreaper() -> None:
+    """PR_SET_CHILD_SUBREAPER: orphans of our sandboxes (children that called setsid() and
+    outlived the harness) are re-parented to us, so we can reap them after killing them; some
+    container inits never reap, leaving zombies that count against the pid table."""
+    global _SUBREAPER
+    if not _SUBREAPER:
+        import ctypes
+
+        _SUBREAPER = ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+
+
+def _reap(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def _kill_uid(uid: int, python: str) -> None:
     """Kill every process of `uid`: kill(-1, SIGKILL) from a helper running as that uid is atomic
     with respect to fork (the kernel holds the tasklist lock), so a fork bomb cannot outrun it."""
     for _ in range(5):
-        if not _procs_of_uid(uid):
+        pids = _procs_of_uid(uid)
+        _reap(pids)
+        if not _procs_of_uid(uid, live_only=True):
+            _reap(pids)
             return
         subprocess.run([python, "-I", "-S", "-c", "import os,signal\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass"],
                        user=uid, group=uid, extra_groups=[], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -172,6 +203,8 @@ class Sandbox:
         if not chosen:
             self.switch_uid, chosen = False, sys.executable
         self.python = chosen
+        if self.switch_uid:
+            _become_subreaper()
 
     # ------------------------------------------------------------------ public API
     def run_tests(self, code: str, tests: list[str] | str) -> RunResult:

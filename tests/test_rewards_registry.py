@@ -1,0 +1,154 @@
+"""Registry, composition, error reporting, format / language / overlong rewards, `posttrain score`."""
+
+import json
+import math
+
+import pytest
+
+from posttrain.errors import DataError, UserError
+from posttrain.rewards import registry
+from posttrain.rewards.format import make_format_reward
+from posttrain.rewards.language import script_share
+from posttrain.rewards.registry import RewardError, completion_text, compose, register
+from posttrain.rewards.shaping import make_overlong_reward, overlong_penalty
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@register("test_const")
+def _const(prompts, completions, value=None, **_):
+    return [None if v is None else float(v) for v in value]
+
+
+@register("test_boom")
+def _boom(prompts, completions, **_):
+    if any("boom" in completion_text(c) for c in completions):
+        raise ValueError("exploded")
+    return [1.0] * len(completions)
+
+
+@register("test_nan")
+def _nan(prompts, completions, **_):
+    return [float("nan") if completion_text(c) == "nan" else 0.5 for c in completions]
+
+
+def test_completion_text_takes_last_assistant_message():
+    conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+    assert completion_text(conv) == "a2" and completion_text("s") == "s"
+
+
+def test_weighted_composition_and_none_semantics():
+    r = compose("test_const:2.0,language:0.5")
+    out = r(["p"] * 3, ["hello world", "hello", "123"], value=[1, None, 0.5])
+    assert out[0] == pytest.approx(2.0 + 0.5)
+    assert out[1] == pytest.approx(0.5)  # test_const is None: only language counts
+    assert out[2] == pytest.approx(1.0)  # language None (no letters): only test_const
+    assert r.last_metrics["rewards/test_const/none"] == 1
+    assert r.last_metrics["rewards/test_const/mean"] == pytest.approx(0.75)
+    assert compose("test_const")(["p"], ["x"], value=[None]) == [None]
+
+
+def test_parse_spec_errors():
+    with pytest.raises(UserError, match="did you mean 'math'"):
+        compose("maht:1")
+    with pytest.raises(UserError, match="not a number"):
+        compose("math:abc")
+    assert registry.parse_spec({"math": 2}) == [("math", 2.0)]
+
+
+def test_raising_reward_is_reported_with_the_sample():
+    r = compose("test_boom")
+    with pytest.raises(RewardError) as e:
+        r(["p"] * 3, ["ok", "boom here", "fine"])
+    assert "sample 1" in str(e.value) and "boom here" in str(e.value) and "exploded" in str(e.value)
+    rec = compose("test_boom", on_error="record")
+    out = rec(["p"] * 3, ["ok", "boom here", "fine"])
+    assert out == [1.0, None, 1.0]
+    assert rec.last_errors == [{"reward": "test_boom", "index": 1, "error": "ValueError: exploded"}]
+
+
+def test_nan_is_an_error_not_zero():
+    with pytest.raises(RewardError, match="sample 1.*nan"):
+        compose("test_nan")(["p"] * 2, ["x", "nan"])
+
+
+def test_format_reward():
+    f = make_format_reward()
+    comps = ["<think>a</think><answer>b</answer>", "<think>a</think>\n<answer>b</answer>\n", "<answer>b</answer>",
+             "x<think>a</think><answer>b</answer>", "<think>a</think><answer>b</answer><answer>c</answer>"]
+    assert f(["p"] * 5, comps) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    g = make_format_reward(pattern=r"(a+)+b", timeout=1.0, workers=2)
+    assert g(["p", "p"], ["aab", "a" * 40 + "c"]) == [1.0, 0.0]  # catastrophic backtracking is killed
+    assert g.last_metrics["timeouts"] == 1
+
+
+def test_language_consistency():
+    assert script_share("Hello world", "en") == 1.0
+    assert script_share("你好世界", "zh") == 1.0
+    assert script_share("Hello 世界", "zh") == pytest.approx(2 / 7)
+    assert script_share("The answer is $x^2$ and `code_here`", "en") == 1.0
+    lang = registry.get("language").fn
+    assert lang(["p", "p"], ["Привет мир", "hi"], language=["ru", "zh"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("L,expected", [(0, 0.0), (3584, 0.0), (3585, -1 / 512), (3840, -0.5), (4096, -1.0), (5000, -1.0)])
+def test_dapo_overlong_penalty(L, expected):
+    # Lmax = 4096, Lcache = 512: 0 up to 3584, ((Lmax - Lcache) - L) / Lcache inside, -1 beyond
+    assert overlong_penalty(L, 4096, 512) == pytest.approx(expected)
+
+
+def test_overlong_reward_uses_completion_ids():
+    r = make_overlong_reward(max_len=10, cache_len=4)
+    assert r(["p"] * 2, ["a", "b"], completion_ids=[[1] * 6, [1] * 8]) == [0.0, -0.5]
+    assert r(["p"], ["w " * 12]) == [-1.0]
+
+
+def _write(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+
+
+def test_score_cli(tmp_path, capsys):
+    from posttrain.rewards.cli import main
+
+    data, out = tmp_path / "d.jsonl", tmp_path / "o.jsonl"
+    _write(data, [{"prompt": "1+1?", "completion": "<think>x</think><answer>\\boxed{2}</answer>", "answer": "2"},
+                  {"prompt": "1+1?", "completion": [{"role": "assistant", "content": "\\boxed{3}"}], "answer": "2"}])
+    main([f"data={data}", "reward=math:1.0,format:0.2", f"output={out}", "workers=2"])
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["reward"] for r in rows] == [pytest.approx(1.2), 0.0]
+    assert rows[0]["rewards"] == {"math": 1.0, "format": 1.0}
+    text = capsys.readouterr().out
+    assert "math" in text and "mean 0.5000" in text
+    main([f"data={data}", "reward=math_answer_tag", f"output={out}", "reward_args={}"])
+
+
+def test_score_cli_errors(tmp_path, capsys):
+    from posttrain.rewards.cli import main
+
+    data, out = tmp_path / "d.jsonl", tmp_path / "o.jsonl"
+    with pytest.raises(UserError, match="unknown reward"):
+        _write(data, [{"completion": "x", "answer": "1"}])
+        main([f"data={data}", "reward=nope", f"output={out}"])
+    _write(data, [{"completion": "x", "answer": "1"}, "{not json"])
+    with pytest.raises(DataError, match=r"d.jsonl:2: invalid JSON"):
+        main([f"data={data}", "reward=math", f"output={out}"])
+    _write(data, [{"completion": "x", "answer": "1"}, {"completion": "y"}])
+    with pytest.raises(DataError, match=r"d.jsonl:2: answer: missing \(needed by reward 'math'\)"):
+        main([f"data={data}", "reward=math", f"output={out}"])
+    _write(data, [{"completion": 5, "answer": "1"}])
+    with pytest.raises(DataError, match="completion"):
+        main([f"data={data}", "reward=math", f"output={out}"])
+    _write(data, [{"completion": "ok"}, {"completion": "boom"}])
+    with pytest.raises(SystemExit) as e:
+        main([f"data={data}", "reward=test_boom", f"output={out}"])
+    assert e.value.code == 1
+    assert "d.jsonl:2: reward 'test_boom'" in capsys.readouterr().err
+    assert "reward_errors" in out.read_text().splitlines()[1]
+
+
+def test_cli_router_reports_user_errors(tmp_path, capsys):
+    from posttrain.cli import main
+
+    assert main(["score", "reward=nope", f"data={tmp_path}/x.jsonl", f"output={tmp_path}/o.jsonl"]) == 2
+    assert "unknown reward" in capsys.readouterr().err

@@ -42,7 +42,8 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
     lead, V = z.shape[:-1], z.shape[-1]
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=z.device).expand(lead)
     greedy = temp == 0
-    z = z / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
+    if not bool((temp == 1).all()):
+        z = z / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(-1)
 
     k = torch.as_tensor(top_k, dtype=torch.long, device=z.device).expand(lead)
     k = torch.where((k <= 0) | (k > V), torch.full_like(k, V), k)
@@ -69,16 +70,30 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
     return logprobs
 
 
-def sample(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample(logprobs: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) -> torch.Tensor:
     """One token per row of `logprobs` (N, V): the smallest index whose CDF exceeds u·total.
 
-    `uniforms` (N,) in [0, 1). The CDF is accumulated in float64, so rounding cannot push the draw
-    onto a token of probability 0.
+    `uniforms` (N,) in [0, 1). Two-level inverse CDF: float64 sums of `chunks` vocabulary chunks
+    pick the chunk, a float64 cumsum inside it picks the token. Tokens of probability 0 are never
+    drawn (a flat CDF step cannot exceed the target first; a rounding overshoot falls back to the
+    chunk's last token of positive probability).
     """
-    cdf = torch.cumsum(logprobs.double().exp(), dim=-1)  # (N, V)
-    target = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return idx.clamp_(max=logprobs.shape[-1] - 1)
+    N, V = logprobs.shape
+    W = -(-V // chunks)
+    p = logprobs.float().exp()
+    if W * chunks != V:
+        p = torch.nn.functional.pad(p, (0, W * chunks - V))
+    p = p.view(N, chunks, W)
+    csum = p.sum(-1, dtype=torch.float64).cumsum(-1)  # (N, C)
+    target = uniforms.double().unsqueeze(-1) * csum[:, -1:]  # (N, 1)
+    c = torch.searchsorted(csum, target, right=True).clamp_(max=chunks - 1)  # (N, 1)
+    base = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)), torch.zeros_like(target))
+    inner = p.gather(1, c.unsqueeze(-1).expand(N, 1, W)).squeeze(1)  # (N, W)
+    cdf = inner.double().cumsum(-1) + base
+    j = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (N,)
+    last_pos = (W - 1) - (inner > 0).flip(-1).int().argmax(-1)  # last positive token of the chunk
+    j = torch.minimum(j, last_pos)
+    return c.squeeze(-1) * W + j
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

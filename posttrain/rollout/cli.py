@@ -1,0 +1,120 @@
+"""`posttrain generate model=… data=prompts.jsonl n=… output=samples.jsonl [sampling keys] backend=builtin|hf|vllm`.
+
+Each input line has `prompt`: a string (rendered with the chat template, add_generation_prompt) or a
+`[{role, content}]` list. Each output line is one sample: prompt_index, sample_index, text, token_ids,
+logprobs (behaviour log-probs), finish_reason; bad prompts give one line with `error`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from posttrain.config import Config, parse_args
+from posttrain.errors import DataError, UserError
+from posttrain.rollout.types import Request, SamplingParams
+
+
+class GenerateConfig(Config):
+    """Sample completions for a file of prompts."""
+
+    model: str = Field("tiny-random", description="HF folder or built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2)")
+    data: str = Field("", description="prompts .jsonl: one object per line with `prompt` (string or [{role, content}] list)")
+    output: str = Field("samples.jsonl", description="output .jsonl, one line per sample")
+    backend: str = Field("builtin", pattern="^(builtin|hf|vllm)$", description="builtin (this engine), hf (transformers generate, reference), vllm (GPU)")
+    n: int = Field(1, ge=1, description="samples per prompt")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 = off")
+    top_k: int = Field(0, ge=0, description="keep the k most probable tokens; 0 = off")
+    max_new_tokens: int = Field(256, ge=1, description="new tokens per sample")
+    stop_strings: list[str] = Field(default_factory=list, description="text stops, e.g. ['</answer>']")
+    ignore_eos: bool = Field(False, description="do not stop at the end-of-sequence token")
+    seed: int = Field(0, description="sampling seed; prompt i uses seed + i")
+    dtype: str = Field("float32", description="model dtype: float32 (CPU) or bfloat16 (GPU)")
+    device: str = Field("cpu", description="cpu or cuda")
+    max_num_seqs: int = Field(64, ge=1, description="builtin: sequences decoded together")
+    max_model_len: int = Field(2048, ge=2, description="prompt + completion tokens per sequence")
+    kv_cache_mb: float = Field(1024, gt=0, description="builtin: KV cache size in MiB")
+
+
+def read_prompts(path: str, tokenizer) -> list[list[int]]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"data: prompts file not found: {path}")
+    prompts = []
+    for row, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(path, row, None, f"invalid JSON: {e}") from None
+        prompt = obj.get("prompt") if isinstance(obj, dict) else None
+        if isinstance(prompt, str):
+            msgs = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
+            msgs = prompt
+        else:
+            raise DataError(path, row, "prompt", "expected a string or a list of {role, content} messages")
+        prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    if not prompts:
+        raise DataError(path, None, None, "no prompts")
+    return prompts
+
+
+def make_backend(cfg: GenerateConfig, model_name: str):
+    from posttrain.models.loading import load_model, load_tokenizer, resolve
+
+    if cfg.backend == "vllm":
+        from posttrain.rollout.vllm_backend import VLLMBackend
+
+        path = resolve(model_name)
+        if path is None:
+            raise UserError("backend=vllm needs a model folder (tiny random models exist only in memory)")
+        b = VLLMBackend(path, dtype=cfg.dtype if cfg.dtype != "float32" else "bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len)
+        return b, b.tokenizer
+    tok = load_tokenizer(model_name)
+    model = load_model(model_name, dtype=cfg.dtype).to(cfg.device).eval()
+    if cfg.backend == "hf":
+        from posttrain.rollout.hf_backend import HFBackend
+
+        return HFBackend(model, tok, seed=cfg.seed, max_model_len=cfg.max_model_len), tok
+    from posttrain.rollout.engine import Engine, EngineConfig
+
+    ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb, seed=cfg.seed)
+    return Engine(model, tok, ecfg), tok
+
+
+def main(argv: list[str]) -> None:
+    cfg = parse_args(GenerateConfig, argv, prog="posttrain generate")
+    if not cfg.data:
+        raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
+    backend, tok = make_backend(cfg, cfg.model)
+    prompts = read_prompts(cfg.data, tok)
+    requests = [Request(p, SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                          max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop_strings),
+                                          ignore_eos=cfg.ignore_eos, seed=cfg.seed + i), request_id=i)
+                for i, p in enumerate(prompts)]
+    t = time.perf_counter()
+    outs = backend.generate(requests)
+    dt = time.perf_counter() - t
+    Path(cfg.output).parent.mkdir(parents=True, exist_ok=True)
+    n_tok = 0
+    with open(cfg.output, "w") as f:
+        for o in outs:
+            if o.error:
+                f.write(json.dumps({"prompt_index": o.request_id, "error": o.error}) + "\n")
+                continue
+            for s in o.samples:
+                n_tok += len(s.token_ids)
+                f.write(json.dumps({"prompt_index": o.request_id, "sample_index": s.index, "text": s.text, "token_ids": s.token_ids,
+                                    "logprobs": s.logprobs, "finish_reason": s.finish_reason}) + "\n")
+    errors = sum(1 for o in outs if o.error)
+    print(f"{len(prompts)} prompts x {cfg.n} samples -> {cfg.output}: {n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s"
+          + (f"; {errors} prompts failed (see their error lines)" if errors else ""))
+    if hasattr(backend, "metrics"):
+        m = backend.metrics()
+        print("engine: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))

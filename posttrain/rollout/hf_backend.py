@@ -1,0 +1,102 @@
+"""Reference backend: transformers `generate`, behind the engine's API (slow; for checking and for models
+the built-in runner does not support).
+
+Behaviour log-probs come from `output_scores`, which are the logits after HF's own temperature /
+top-k / top-p warpers, i.e. the distribution HF sampled from. HF's top-p breaks ties by sort order
+where posttrain.ops.sampling keeps whole tied groups; everything else is the same definition.
+One `generate` call per request (num_return_sequences = n) under `torch.manual_seed(seed)`, so a
+request's samples do not depend on the other requests (they do depend on HF's RNG use, so they differ
+from the built-in engine's draws).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from posttrain.rollout.types import Completion, Request, RequestOutput
+
+
+class HFBackend:
+    def __init__(self, model, tokenizer=None, seed: int = 0, max_model_len: int | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.rng = random.Random(seed)
+        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 2048)
+        eos = model.generation_config.eos_token_id
+        self.default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def update_weights(self, state_dict: dict) -> None:
+        self.model.load_state_dict(state_dict, strict=False)
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outs = []
+        for i, r in enumerate(requests):
+            out = RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
+            seed = r.params.seed if r.params.seed is not None else self.rng.getrandbits(63)
+            try:
+                r.params.validate()
+                if not r.prompt_token_ids:
+                    raise ValueError("empty prompt")
+                if len(r.prompt_token_ids) >= self.max_model_len:
+                    raise ValueError(f"prompt has {len(r.prompt_token_ids)} tokens; the context holds {self.max_model_len}")
+                if r.params.stop_strings and self.tokenizer is None:
+                    raise ValueError("stop_strings need a tokenizer")
+                out.samples = self._one(r, seed)
+            except ValueError as e:
+                out.error = f"request {out.request_id}: {e}"
+            out.time_finished = time.perf_counter() - t0
+            outs.append(out)
+        return outs
+
+    @torch.inference_mode()
+    def _one(self, r: Request, seed: int) -> list[Completion]:
+        p = r.params
+        stop_ids = [] if p.ignore_eos else (self.default_eos if p.stop_token_ids is None else list(p.stop_token_ids))
+        max_new = min(p.max_new_tokens, self.max_model_len - len(r.prompt_token_ids))
+        kw = dict(max_new_tokens=max_new, num_return_sequences=p.n, output_scores=True, return_dict_in_generate=True,
+                  pad_token_id=self.model.generation_config.pad_token_id or 0)
+        if p.temperature == 0:
+            kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        else:
+            kw.update(do_sample=True, temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p))
+        if stop_ids:
+            kw["eos_token_id"] = stop_ids
+        else:
+            kw["min_new_tokens"] = max_new  # no stop token: suppress the model's eos
+        if p.stop_strings:
+            kw.update(stop_strings=list(p.stop_strings), tokenizer=self.tokenizer)
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([r.prompt_token_ids], device=device)
+        rng_state = torch.random.get_rng_state()
+        torch.manual_seed(seed & (2**63 - 1))
+        try:
+            res = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+        finally:
+            torch.random.set_rng_state(rng_state)
+        new = res.sequences[:, ids.shape[1]:]  # (n, T)
+        if p.temperature == 0:  # one-hot distribution: log-prob 0 (posttrain.ops.sampling convention)
+            lp = torch.zeros(new.shape, dtype=torch.float32)
+        else:
+            scores = torch.stack(res.scores, 1).float()  # (n, T, V) processed logits
+            lp = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        samples = []
+        for j in range(p.n):
+            toks, lps = new[j].tolist(), lp[j].tolist()
+            reason, stop = "length", None
+            for t, tok in enumerate(toks):
+                if tok in stop_ids:
+                    toks, lps, reason, stop = toks[:t + 1], lps[:t + 1], "stop", tok
+                    break
+            if reason == "length" and p.stop_strings:  # HF pads after a stop string: cut at the first hit
+                for t in range(len(toks)):
+                    text = self.tokenizer.decode(toks[max(0, t - 64):t + 1])
+                    hit = [s for s in p.stop_strings if s in text]
+                    if hit:
+                        toks, lps, reason, stop = toks[:t + 1], lps[:t + 1], "stop", hit[0]
+                        break
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
+            samples.append(Completion(j, toks, lps, reason, text, stop))
+        return samples

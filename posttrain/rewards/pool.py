@@ -43,7 +43,8 @@ def _worker_main(conn) -> None:
             return
         if msg is None:
             return
-        fn, args = msg
+        fn, args = msg  # unpickling imported fn's module: only now does the clock start
+        conn.send(("start", None))
         try:
             conn.send(("ok", fn(*args)))
         except BaseException as e:  # report, never die silently
@@ -76,12 +77,15 @@ class _Worker:
 class WorkerPool:
     """`workers` processes; `map` runs one call per item with a per-item deadline."""
 
-    def __init__(self, workers: int = 2, context: str = "spawn"):
+    def __init__(self, workers: int = 2, context: str = "spawn", startup_grace: float = 120.0):
         self.n = max(1, int(workers))
         self.ctx = mp.get_context(context)
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()  # one map at a time; callers from several threads queue up
         self.killed = 0  # workers killed for overrunning (a metric)
+        # a fresh worker first imports the task's module (sympy, math-verify: seconds on a busy
+        # machine); the task's own deadline starts when the worker reports "start"
+        self.startup_grace = startup_grace
         atexit.register(self.close)
 
     def _ensure(self) -> None:
@@ -103,10 +107,10 @@ class WorkerPool:
                 if w.task is None and pending:
                     i = pending.pop()
                     w.task, w.started = i, time.monotonic()
-                    w.deadline = w.started + timeout
+                    w.deadline = w.started + timeout + self.startup_grace
                     try:
                         w.conn.send((fn, items[i]))
-                    except (OSError, ValueError) as e:  # dead pipe or unpicklable argument
+                    except Exception as e:  # dead pipe or unpicklable function/argument
                         results[i] = Outcome(error=f"{type(e).__name__}: {e}")
                         w.task = None
                         continue
@@ -116,11 +120,21 @@ class WorkerPool:
             now = time.monotonic()
             wait_for = max(0.0, min(w.deadline for w in busy.values()) - now)
             for conn in wait(list(busy), timeout=wait_for):
-                w = busy.pop(conn)
+                w = busy[conn]
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):
+                    kind, payload = "died", None
+                if kind == "start":
+                    w.started = time.monotonic()
+                    w.deadline = w.started + timeout
+                    continue
+                busy.pop(conn)
                 i, w.task = w.task, None
                 took = time.monotonic() - w.started
                 try:
-                    kind, payload = conn.recv()
+                    if kind == "died":
+                        raise EOFError
                     results[i] = Outcome(value=payload, seconds=took) if kind == "ok" else Outcome(error=payload, seconds=took)
                 except (EOFError, OSError):  # the worker died (e.g. killed by the OOM killer)
                     results[i] = Outcome(error="worker process died", seconds=took)

@@ -167,13 +167,11 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     # ---- FLOPs: each phase = flops/param × params of its model × tokens it touches
     phases = []
     for ph in methods.phases(method, opt):
-        size_key = {"reward": "reward_model", "teacher": "teacher"}.get(ph.role, "model")
-        if method.name == "rm":
-            size_key = "model"  # the planned model *is* the reward model
-        n = sizes[size_key].params
+        # The model in memory (a policy with its adapter) or, for a precomputed DPO reference, the base.
+        n = by_role[ph.role]["params"] if ph.role in by_role else policy.params
         per_param = ph.flops_per_param
-        if ph.flops_per_param == 6 and lora and size_key == "model":
-            per_param = cost.train_flops_per_param(lora / (n + lora))
+        if ph.flops_per_param == 6 and ph.role in by_role and by_role[ph.role]["trainable"] < n:
+            per_param = cost.train_flops_per_param(by_role[ph.role]["trainable"] / n)  # LoRA
         share = 1.0 / group if ph.share == "kept" else 1.0
         phases.append({"phase": ph.name, "role": ph.role, "flops_per_token": per_param * n * share,
                        "flops_per_step": per_param * n * share * tokens_per_step})
@@ -196,8 +194,11 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         activations = cost.activation_bytes(micro * tokens_per_seq, a.layers, a.hidden, a.intermediate,
                                             a.kv_heads * a.head_dim, a.vocab, act_bytes, cfg.logit_copies)
     trainable = sum(m["trainable"] for m in models)
-    # Peak: states + the larger of (activations of a micro-batch, KV of the rollout, Adam's sqrt(v) temp).
-    transient = max(activations or 0.0, kv_step or 0.0, cost.optimizer_temp_bytes(trainable))
+    # The input embedding's backward builds a dense V×h gradient before adding it into .grad (full FT only).
+    emb_grad = policy.arch.vocab * policy.arch.hidden * act_bytes if policy.arch is not None and not lora else 0.0
+    # Peak: states + the largest transient: activations of a micro-batch (+ that embedding gradient),
+    # the KV cache of the rollout, or AdamW's sqrt(v) buffer during the optimizer step.
+    transient = max((activations or 0.0) + emb_grad, kv_step or 0.0, cost.optimizer_temp_bytes(trainable))
     out: dict[str, Any] = {
         "model": {"name": policy.name, "source": policy.source, "architecture": policy.arch.to_dict() if policy.arch else None},
         "method": method.name,

@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent("""
     from posttrain.plan import predict
     from posttrain.plan.measure import Measured
     d = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True)
+             num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True)
     def build(**o):
         dd = dict(d, **o)
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(dd.pop("model_type"), **dd), dtype=torch.float32)
@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent("""
     del w
     measured = Measured()
     model = build(); opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, 32000, (4, 256))
+    x = torch.randint(0, 49152, (4, 256))
     for _ in range(2):
         model(input_ids=x, labels=x).loss.backward(); opt.step(); opt.zero_grad()
     p = predict(d, "sft", batch=4, seq_len=256, dtype="fp32")
@@ -91,10 +91,10 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM reset needs Linux")
 def test_predicted_peak_matches_a_measured_cpu_training_run():
-    # A fresh process trains an 11M-parameter Llama in fp32 (predicted ≈ 0.69 GB: states 0.18 + activations
-    # 0.48 + embedding gradient 0.03). Measured growth runs 1.1–1.2× the live-tensor prediction (glibc keeps
-    # freed activation pages); missing the activations term would read ≈ 3×.
+    # A fresh process trains a 15.5M-parameter Llama (SmolLM2's vocabulary) in fp32, 4 × 256 tokens: predicted
+    # 0.99 GB = states 0.25 + activations 0.69 (logits dominate) + embedding gradient 0.05; measured 0.91 GB
+    # (0.92×). Dropping the activations term would read ≈ 3.7×.
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     ratio = json.loads(out.stdout.strip().splitlines()[-1])["ratio"]
-    assert 0.9 < ratio < 1.3, ratio
+    assert 0.8 < ratio < 1.25, ratio

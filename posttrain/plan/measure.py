@@ -3,7 +3,7 @@
     {"predicted": {... predict() ...}, "measured": {... Measured.as_dict() ..., or null while running},
      "comparison": {"peak_rss_growth_over_predicted": ..., "tokens_per_step_over_predicted": ...}}
 
-How a recipe uses it (the SFT/GRPO recipes do exactly this):
+How a recipe uses it (pass micro_batch= when it accumulates gradients over several forward passes):
 
     from posttrain.plan import predict
     from posttrain.plan.measure import Measured, write_measured, write_plan
@@ -21,11 +21,12 @@ How a recipe uses it (the SFT/GRPO recipes do exactly this):
 Predicted peak for a small CPU run (`prediction["peak_bytes_estimate"]`, dtype="fp32"): model states
 16 B per trained parameter (weights 4 + grads 4 + Adam m, v 8) and 4 B per frozen one, plus the largest
 transient: activations of one forward/backward (see `cost.activation_bytes`: 4 × tokens ×
-[L·(8h + 4i + 2·kv_dim) + 3h + 3V] for the HF loss), the rollout KV cache, or AdamW's 4 B/param sqrt(v)
-buffer. Compare it with `peak_rss_growth_bytes` = peak RSS − RSS when `Measured()` was created. Measured
-on SmolLM2-135M shapes (fp32, SDPA, HF loss, torch AdamW): the first step matches the live-tensor count
-within 1%; over later steps glibc keeps freed activation pages, so measured growth is 15–22% above the
-prediction (docs/planner.md has the numbers).
+[L·(8h + 4i + 2·kv_dim) + 3h + 3V] for the HF loss, plus the embedding's dense V×h gradient), the rollout
+KV cache, or AdamW's 4 B/param sqrt(v) buffer. Compare it with `peak_rss_growth_bytes` = peak RSS − RSS when `Measured()` was created. The prediction
+counts live tensors; glibc keeps some freed blocks (those under its 32 MiB mmap threshold) resident, so
+measured/predicted ran 0.92–1.2 on CPU runs of 15M–135M parameters and up to 1.4 where a V×h matrix is
+just under 32 MiB. Below ~0.3 GB predicted (tiny-random: 25 MB) allocator noise (±35 MB) dominates:
+compare tokens and FLOPs there, not memory. docs/planner.md has the measurements.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _count(text: str, key: str) -> ModelSpec:
         raise UserError(f"{key}: '{text}' is not a folder, a known architecture ({names}) or a parameter count (8e9, 8B)")
     if n < 1:
         raise UserError(f"{key}: parameter count must be positive (got {text})")
-    return ModelSpec(f"{n:.3g} params", int(round(n)), None, "count")
+    return ModelSpec(f"{n:.4g}", int(round(n)), None, "parameter count")
 
 
 def predict(model: Any = "tiny-random", method: str = "sft", **keys) -> dict:
@@ -188,9 +188,10 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     if policy.arch is not None:
         kv_per_token = policy.arch.kv_bytes_per_token(kv_value_bytes)
     activations = None
+    # Default micro-batch: every trained sequence of the step in one forward/backward (no accumulation).
+    micro = cfg.micro_batch or (sequences if method.name != "rs" else cfg.batch)
     if policy.arch is not None:
         a = policy.arch
-        micro = cfg.micro_batch or (sequences if method.name != "rs" else cfg.batch)
         activations = cost.activation_bytes(micro * tokens_per_seq, a.layers, a.hidden, a.intermediate,
                                             a.kv_heads * a.head_dim, a.vocab, act_bytes, cfg.logit_copies)
     trainable = sum(m["trainable"] for m in models)
@@ -202,7 +203,8 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     out: dict[str, Any] = {
         "model": {"name": policy.name, "source": policy.source, "architecture": policy.arch.to_dict() if policy.arch else None},
         "method": method.name,
-        "options": {"beta": opt.beta, "reward": opt.reward, "precompute_ref": opt.precompute_ref,
+        "options": {"beta": opt.beta if method.rl else None, "reward": None if opt.reward == "none" else opt.reward,
+                    "precompute_ref": opt.precompute_ref if method.name == "dpo" else None,
                     "value_model": opt.value_model, "distill": opt.distill if method.name == "distill" else None},
         "params": policy.params,
         "trainable_params": by_role.get("policy", by_role.get("reward", {})).get("trainable", 0),
@@ -214,6 +216,7 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         "kv_bytes_per_token": kv_per_token,
         "kv_bytes_step": kv_step,
         "activation_bytes": activations,
+        "micro_batch": micro,
         "peak_bytes_estimate": memory_total + transient,
         "group": group,
         "sequences_per_step": sequences,

@@ -39,8 +39,9 @@ def render(p: dict) -> str:
     add = rows.append
     opts = p["options"]
     add(("model", f"{p['model']['name']} ({p['model']['source']}), {human_count(p['params'])} params"))
-    add(("method", f"{p['method']}  β={opts['beta']}  reward={opts['reward']}  value model={opts['value_model']}"
-         + (f"  distill={opts['distill']}" if opts["distill"] else "")))
+    shown = {"β": opts["beta"], "reward": opts["reward"], "value model": opts["value_model"] or None,
+             "precomputed reference": opts["precompute_ref"], "distill": opts["distill"]}
+    add(("method", "  ".join([p["method"], *(f"{k}={v}" for k, v in shown.items() if v is not None)])))
     if p["lora"]:
         lo = p["lora"]
         add(("LoRA", f"r={lo['r']} on {','.join(lo['targets'])}: {human_count(lo['params'])} trainable "
@@ -54,7 +55,7 @@ def render(p: dict) -> str:
     add(("KV per token", human_bytes(p["kv_bytes_per_token"])))
     if p["kv_bytes_step"] is not None:
         add(("KV for the step", f"{human_bytes(p['kv_bytes_step'])} (all {p['sequences_per_step']:,} sequences in flight)"))
-    add(("activations", human_bytes(p["activation_bytes"])))
+    add(("activations", f"{human_bytes(p['activation_bytes'])} (micro-batch of {p['micro_batch']:,} sequences, no checkpointing)"))
     add(("peak estimate", human_bytes(p["peak_bytes_estimate"])))
     add(("", ""))
     add(("sequences / step", f"{p['sequences_per_step']:,} (group {p['group']})"))

@@ -269,7 +269,6 @@ def _add_hardware(out: dict, cfg: PlanConfig, flops_per_step: float, flops_per_t
     elif device_memory is None and cfg.devices != 1:
         raise UserError("devices: needs peak_flops or hardware to turn FLOPs into time")
     if device_memory is not None:
-        out.setdefault("hardware", None)
         if out["hardware"] is None:
             out["hardware"] = {"name": cfg.hardware, "peak_flops": None, "mfu": cfg.mfu, "devices": cfg.devices,
                                "device_memory": device_memory}

@@ -130,8 +130,7 @@ class Engine:
     @torch.no_grad()
     def update_weights(self, state_dict: dict) -> None:
         """Copy new weights into the engine's model in place (names as in model.state_dict())."""
-        params = dict(self.model.named_parameters())
-        params.update(dict(self.model.named_buffers()))
+        params = self.model.state_dict(keep_vars=True)  # includes tied names (lm_head.weight)
         for name, value in state_dict.items():
             if name not in params:
                 raise KeyError(f"update_weights: unknown parameter '{name}'")

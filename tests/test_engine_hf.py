@@ -1,0 +1,197 @@
+"""Built-in engine vs transformers on the tiny models: greedy equality, behaviour log-probs vs the trainer's
+recomputation, distribution, seeds, prefix cache, preemption, bad requests, weight updates."""
+
+import pytest
+import torch
+
+from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.ops.sampling import process_logits
+from posttrain.rollout.engine import Engine, EngineConfig
+from posttrain.rollout.hf_backend import HFBackend
+from posttrain.rollout.types import Request, SamplingParams
+
+PROMPTS = [[5, 6, 7], list(range(10, 27)), list(range(100, 140)), [900, 3, 44, 17, 8, 250, 9, 11, 64]]
+
+
+@pytest.fixture(scope="module", params=["tiny-random", "tiny-random-qwen2"])
+def model(request):
+    return load_model(request.param).eval()
+
+
+def engine(model, **kw):
+    cfg = dict(max_num_seqs=16, max_model_len=128, kv_cache_mb=8, block_size=8)
+    cfg.update(kw)
+    return Engine(model, None, EngineConfig(**cfg))
+
+
+def hf_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])  # explicit mask: token 3 is the pad id and would be masked otherwise
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def recompute(model, prompt, completion, params):
+    """What a trainer does: full forward over prompt + completion, process_logits, gather."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+    lp = process_logits(logits, params.temperature, params.top_k, params.top_p)
+    return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+def test_greedy_equals_hf_generate(model):
+    outs = engine(model).generate([Request(p, SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)) for p in PROMPTS])
+    for p, o in zip(PROMPTS, outs):
+        ref = hf_greedy(model, p, 16)
+        assert o.samples[0].token_ids == ref
+        assert o.samples[0].finish_reason == "length" and o.samples[0].logprobs == [0.0] * 16
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0.7, max_new_tokens=20, seed=1),
+                                    SamplingParams(n=3, temperature=1.3, top_p=0.9, max_new_tokens=20, seed=2),
+                                    SamplingParams(n=3, temperature=0.8, top_k=20, top_p=0.95, max_new_tokens=20, seed=3)])
+def test_behaviour_logprobs_equal_trainer_recomputation(model, params):
+    outs = engine(model).generate([Request(p, params) for p in PROMPTS])
+    worst = 0.0
+    for p, o in zip(PROMPTS, outs):
+        assert len(o.samples) == 3
+        for s in o.samples:
+            ref = recompute(model, p, s.token_ids, params)
+            assert torch.isfinite(ref).all()  # every sampled token is inside the kept set
+            worst = max(worst, (torch.tensor(s.logprobs) - ref).abs().max().item())
+    assert worst < 1e-5
+
+
+def test_engine_first_token_distribution_chi_square(model):
+    params = SamplingParams(n=800, temperature=0.9, top_k=5, max_new_tokens=1, seed=11)
+    p = PROMPTS[1]
+    out = engine(model, max_num_seqs=64).generate([Request(p, params)])[0]
+    with torch.no_grad():
+        probs = process_logits(model(torch.tensor([p])).logits[0, -1], 0.9, 5, 1.0).exp().double()
+    counts = torch.bincount(torch.tensor([s.token_ids[0] for s in out.samples]), minlength=probs.numel()).double()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0
+    chi2 = float(((counts[keep] - 800 * probs[keep]) ** 2 / (800 * probs[keep])).sum())
+    assert chi2 < 18.47  # df 4, p = 0.001
+
+
+def test_seed_reproducible_regardless_of_batch(model):
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=123)
+    alone = engine(model).generate([Request(PROMPTS[2], params)])[0]
+    others = [Request(p, SamplingParams(n=3, max_new_tokens=9, seed=i)) for i, p in enumerate(PROMPTS)]
+    mixed = engine(model, max_num_seqs=5).generate(others[:2] + [Request(PROMPTS[2], params)] + others[2:])[2]
+    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in mixed.samples]
+    assert alone.samples[0].token_ids != alone.samples[1].token_ids
+    other_seed = engine(model).generate([Request(PROMPTS[2], SamplingParams(n=2, max_new_tokens=16, seed=124))])[0]
+    assert other_seed.samples[0].token_ids != alone.samples[0].token_ids
+
+
+def test_preemption_gives_the_same_samples(model):
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=28, ignore_eos=True, seed=5)
+    reqs = [Request(p, params) for p in PROMPTS]
+    big = engine(model).generate(reqs)
+    tight = engine(model, kv_cache_mb=0.12, max_model_len=80)  # 0.12 MiB = 240 tokens: forces preemption
+    small = tight.generate(reqs)
+    assert tight.stats.preemptions > 0
+    for a, b in zip(big, small):
+        assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+        for x, y in zip(a.samples, b.samples):
+            assert max(abs(u - v) for u, v in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+def test_group_prefill_once_and_multi_turn_prefix_cache(model):
+    eng = engine(model)
+    p = list(range(200, 237))  # 37 tokens
+    out = eng.generate([Request(p, SamplingParams(n=6, max_new_tokens=12, ignore_eos=True, seed=0))])[0]
+    assert eng.stats.prefill_tokens == 37  # 6 samples, one prefill
+    turn2 = p + out.samples[0].token_ids + [300, 301, 302]
+    eng.stats.prefill_tokens = 0
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    o2 = eng.generate([Request(turn2, params)])[0]
+    assert o2.num_cached_prompt_tokens >= 40 and eng.stats.prefill_tokens <= len(turn2) - 40
+    ref = hf_greedy(model, turn2, 10)
+    assert o2.samples[0].token_ids == ref  # the cached prefix gives the same result
+
+
+def test_bad_requests_fail_alone(model):
+    good = SamplingParams(n=2, max_new_tokens=5, seed=0)
+    reqs = [Request(PROMPTS[0], good), Request([], good), Request(list(range(200)), good),
+            Request(PROMPTS[1], SamplingParams(temperature=-1)), Request(PROMPTS[1], SamplingParams(top_p=0)),
+            Request(PROMPTS[1], SamplingParams(top_k=-3)), Request(PROMPTS[1], SamplingParams(n=0)),
+            Request([5, 99999], good), Request(PROMPTS[3], good)]
+    outs = engine(model).generate(reqs)
+    assert outs[0].ok and outs[-1].ok and len(outs[-1].samples) == 2
+    errors = [o.error for o in outs[1:-1]]
+    assert all(errors)
+    for needle, e in zip(["empty prompt", "context holds 128", "temperature", "top_p", "top_k", "n must", "token ids"], errors):
+        assert needle in e, e
+
+
+def test_stop_tokens_and_stop_strings(model):
+    tok = load_tokenizer("tiny-random")
+    eng = Engine(model, tok, EngineConfig(max_num_seqs=8, max_model_len=128, kv_cache_mb=8))
+    free = eng.generate([Request(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True))])[0].samples[0]
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    s = eng.generate([Request(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[stop_tok]))])[0].samples[0]
+    assert s.token_ids == free.token_ids[:first + 1] and s.finish_reason == "stop" and s.stop_reason == stop_tok
+    text = tok.decode(free.token_ids[:8])
+    needle = text[-3:] if text[-3:].strip() else text[-5:]
+    s2 = eng.generate([Request(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, stop_strings=[needle]))])[0].samples[0]
+    assert s2.finish_reason == "stop" and needle in tok.decode(s2.token_ids) and len(s2.token_ids) <= 8
+    assert needle not in tok.decode(s2.token_ids[:-1])
+
+
+def test_weights_shared_in_place_and_update_weights():
+    model = load_model("tiny-random")
+    eng = engine(model)
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    before = eng.generate([Request(PROMPTS[2], params)])[0].samples[0].token_ids
+    assert eng.runner.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.up_proj.weight  # no copy
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with torch.enable_grad():
+        loss = model(torch.tensor([PROMPTS[2] + before])).logits.float().pow(2).mean()
+        loss.backward()
+    opt.step()  # a trainer step, in place on the same tensors
+    after = eng.generate([Request(PROMPTS[2], params)])[0].samples[0].token_ids
+    ref = hf_greedy(model, PROMPTS[2], 12)
+    assert after == ref and after != before  # the stale prefix cache was dropped
+    other = load_model("tiny-random", seed=1)
+    eng.update_weights(other.state_dict())
+    got = eng.generate([Request(PROMPTS[2], params)])[0].samples[0].token_ids
+    ref = hf_greedy(other, PROMPTS[2], 12)
+    assert got == ref
+
+
+def test_hf_backend_logprobs_are_its_sampling_distribution(model):
+    params = SamplingParams(n=2, temperature=0.7, top_k=30, max_new_tokens=10, seed=4)
+    outs = HFBackend(model).generate([Request(p, params) for p in PROMPTS[:2]] + [Request([], params)])
+    assert outs[2].error and "empty prompt" in outs[2].error
+    for p, o in zip(PROMPTS, outs[:2]):
+        for s in o.samples:
+            assert (torch.tensor(s.logprobs) - recompute(model, p, s.token_ids, params)).abs().max() < 1e-4
+
+
+def test_metrics(model):
+    eng = engine(model)
+    eng.generate([Request(p, SamplingParams(n=2, max_new_tokens=6, ignore_eos=True)) for p in PROMPTS])
+    m = eng.metrics()
+    assert m["generated_tokens"] == 48 and m["decode_steps"] == 5 and 0 < m["batch_occupancy"] <= 1
+    assert m["peak_kv_mb"] > 0 and m["kv_in_use_mb"] == 0 and m["prefill_tokens"] == sum(map(len, PROMPTS))
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_hf():
+    name = "smollm2-135m-instruct"
+    model, tok = load_model(name).eval(), load_tokenizer(name)
+    msgs = ["What is 2+2?", "Write a haiku about the sea.", "Explain gravity to a child in two sentences.", "hi"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
+    outs = Engine(model, tok, EngineConfig(max_num_seqs=8, max_model_len=512, kv_cache_mb=256)).generate(
+        [Request(p, SamplingParams(temperature=0, max_new_tokens=48)) for p in prompts])
+    for p, o in zip(prompts, outs):
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), do_sample=False, max_new_tokens=48)[0, len(p):].tolist()
+        assert o.samples[0].token_ids == ref
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=24, seed=0)
+    outs = Engine(model, tok, EngineConfig(max_num_seqs=8, max_model_len=512, kv_cache_mb=256)).generate([Request(p, params) for p in prompts])
+    worst = max((torch.tensor(s.logprobs) - recompute(model, p, s.token_ids, params)).abs().max().item() for p, o in zip(prompts, outs) for s in o.samples)
+    assert worst < 1e-4

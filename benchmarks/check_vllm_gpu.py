@@ -72,7 +72,8 @@ def main() -> int:
         if worst > 0.1:
             failures.append(f"{name} behaviour log-probs off by {worst:.3f}")
 
-    sd = {"lm_head.weight": bf16.lm_head.weight.detach() * 0 + torch.randn_like(bf16.lm_head.weight) * 0.02}
+    w = torch.randn_like(bf16.lm_head.weight) * 0.02  # tied models: vLLM reads the embedding
+    sd = {"model.embed_tokens.weight": w, "lm_head.weight": w}
     vb.update_weights(sd)
     changed = vb.generate([Request(prompts[0], greedy)])[0].samples[0].token_ids
     print("update_weights changed vLLM output:", changed != v_out[0].samples[0].token_ids)

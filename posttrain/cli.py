@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),
+    "methods": ("posttrain.plan.methods_cli:main", "the method map: where reward, reference and value come from, models in memory"),
     "models": ("posttrain.models.cli:main", "list built-in models; `models fetch NAME` makes one available offline"),
     "quickstart": ("posttrain.recipes.quickstart:main", "the flagship recipe on SmolLM2-135M-Instruct, with a report"),
 }

@@ -29,6 +29,8 @@ from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.monitor.report import write_report
+from posttrain.plan import predict
+from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything, setup_run
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
@@ -178,6 +180,7 @@ def train(cfg: SFTConfig) -> dict:
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
     units = make_units(train_samples, cfg)
 
+    measured = Measured()  # RSS baseline before the model exists
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -197,6 +200,7 @@ def train(cfg: SFTConfig) -> dict:
         start, summary = state["step"], state.get("summary", {})
     elif cfg.forgetting_probe:
         summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
+    write_plan(out, plan_run(cfg, model, units, sampler, cfg.max_steps - start))
     metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start if resume_from else None)
     if resume_from is None:
         (out / "samples.jsonl").write_text("")
@@ -227,6 +231,7 @@ def train(cfg: SFTConfig) -> dict:
         n_tok = sum(b.num_tokens for b in batches)
         n_pad = sum(b.num_padding for b in batches)
         tokens_seen += n_tok
+        measured.add_step(n_tok)
         dt = time.perf_counter() - t0
         row = {
             "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": n_tok, "loss_tokens": n_loss,
@@ -273,8 +278,46 @@ def train(cfg: SFTConfig) -> dict:
         "tokens_this_session": tokens_seen,
     })
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    write_report(out, f"SFT — {cfg.model}", {"summary": summary, "config": cfg.model_dump(mode="json")})
+    plan = json.loads(write_measured(out, measured).read_text())
+    summary["plan_vs_measured"] = plan_comparison(plan)
+    write_report(out, f"SFT — {cfg.model}", {
+        "summary": {k: v for k, v in summary.items() if k != "plan_vs_measured"},
+        "plan vs measured": summary["plan_vs_measured"],
+        "config": cfg.model_dump(mode="json"),
+    })
     return summary
+
+
+def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: EpochSampler, steps: int) -> dict:
+    """The planner's prediction for this run, plus the exact token count of the data plan.
+
+    The sampler is deterministic, so the rows of every remaining step are known before training:
+    `data_plan.tokens` is what the trainer will count, to the token.
+    """
+    from copy import deepcopy
+    from posttrain.models.forward import unwrap
+
+    pred = predict(unwrap(model).config, "sft", batch=cfg.batch_size, seq_len=cfg.max_length,
+                   micro_batch=cfg.micro_batch_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
+                   steps=max(steps, 1), lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0)
+    probe = deepcopy(sampler)
+    row_tokens = [sum(len(s) for s in u) for u in units]
+    per_step = [sum(row_tokens[i] for i in probe.take(cfg.batch_size)) for _ in range(steps)]
+    pred["data_plan"] = {"steps": steps, "tokens": sum(per_step), "tokens_per_step_mean": sum(per_step) / max(steps, 1)}
+    return pred
+
+
+def plan_comparison(plan: dict) -> dict:
+    pred, meas = plan["predicted"], plan["measured"]
+    return {
+        "tokens predicted (data plan)": pred["data_plan"]["tokens"],
+        "tokens counted": meas["tokens"],
+        "flops predicted": pred["flops_per_token"] * pred["data_plan"]["tokens"],
+        "peak memory predicted (bytes)": pred["peak_bytes_estimate"],
+        "peak RSS growth measured (bytes)": meas["peak_rss_growth_bytes"],
+        "seconds measured": meas["seconds"],
+        "achieved FLOP/s": meas.get("achieved_flops_per_second"),
+    }
 
 
 def save_final(model, tok, path: Path, lora: bool) -> None:

@@ -1,0 +1,132 @@
+"""SFT training throughput: posttrain vs TRL's SFTTrainer, side by side in one run.
+
+Same model (SmolLM2-135M-Instruct, fp32, CPU), same data (the built-in arithmetic conversations),
+same packing (best-fit decreasing into rows of --max-length tokens, attention kept inside samples),
+same rows per step (--batch) and per forward (--micro), same optimizer (AdamW, same lr).
+Both are timed per optimizer step after --warmup steps; tokens are real (non-padding) tokens.
+Also prints the raw forward+backward rate of the bare HF model on one packed row as the ceiling.
+
+    .venv/bin/pip install -e '.[bench]'
+    .venv/bin/python benchmarks/sft_vs_trl.py [--steps 6] [--max-length 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+
+
+def run_posttrain(args, data_rows) -> dict:
+    from posttrain.config import parse_args
+    from posttrain.recipes import sft
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "data.jsonl"
+        data.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in data_rows))
+        cfg = parse_args(sft.SFTConfig, [
+            f"model={MODEL}", f"data={data}", f"output_dir={tmp}/run", f"max_steps={args.steps + args.warmup}",
+            f"batch_size={args.batch}", f"micro_batch_size={args.micro}", f"max_length={args.max_length}",
+            "optim.lr=2e-5", "optim.warmup_steps=0", "eval_fraction=0", "eval_every=0", "sample_every=0",
+            "save_every=0", "forgetting_probe=false", "progress=false",
+        ])
+        sft.train(cfg)
+        rows = [json.loads(l) for l in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()][args.warmup:]
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in rows)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def run_trl(args, data_rows) -> dict:
+    import datasets
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from posttrain.models.loading import load_model, load_tokenizer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.records = []
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0, self.seen0 = time.perf_counter(), state.num_input_tokens_seen
+
+        def on_step_end(self, a, state, control, **kw):
+            self.records.append((time.perf_counter() - self.t0, state.num_input_tokens_seen - self.seen0))
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        ds = datasets.Dataset.from_list([{"messages": r["messages"]} for r in data_rows])
+        targs = SFTConfig(
+            output_dir=tmp, max_steps=args.steps + args.warmup, per_device_train_batch_size=args.micro,
+            gradient_accumulation_steps=args.batch // args.micro, packing=True, max_length=args.max_length,
+            learning_rate=2e-5, lr_scheduler_type="cosine", warmup_steps=0, logging_steps=1, save_strategy="no",
+            report_to=[], use_cpu=True, dataloader_num_workers=0, include_num_input_tokens_seen="non_padding",
+            assistant_only_loss=False, seed=0, disable_tqdm=True,
+        )
+        trainer = SFTTrainer(model=load_model(MODEL), args=targs, train_dataset=ds,
+                             processing_class=load_tokenizer(MODEL), callbacks=[timer])
+        trainer.train()
+    recs = timer.records[args.warmup:]
+    tokens = sum(t for _, t in recs)
+    seconds = sum(s for s, _ in recs)
+    return {"tokens": int(tokens), "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def raw_rate(args) -> dict:
+    """The bare model: forward (HF loss over all positions) + backward on one full packed row, no optimizer."""
+    from posttrain.models.loading import load_model
+
+    model = load_model(MODEL)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.max_length))
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        times.append(time.perf_counter() - t)
+        model.zero_grad(set_to_none=True)
+    best = min(times)
+    return {"tokens": args.max_length, "seconds": best, "tokens_per_s": args.max_length / best}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4, help="packed rows per optimizer step")
+    p.add_argument("--micro", type=int, default=2, help="packed rows per forward/backward")
+    p.add_argument("--rows", type=int, default=600, help="conversations in the dataset")
+    p.add_argument("--out", default="benchmarks/results/sft_vs_trl.json")
+    args = p.parse_args()
+    from posttrain.data.tasks import generate
+
+    data_rows = generate(f"arithmetic:{args.rows}")
+    print(f"threads={torch.get_num_threads()} model={MODEL} max_length={args.max_length} batch={args.batch} micro={args.micro}", flush=True)
+    results = {"raw_forward_backward": raw_rate(args)}
+    print(f"raw fwd+bwd   {results['raw_forward_backward']['tokens_per_s']:8.1f} tok/s", flush=True)
+    results["posttrain"] = run_posttrain(args, data_rows)
+    print(f"posttrain     {results['posttrain']['tokens_per_s']:8.1f} tok/s", flush=True)
+    results["trl"] = run_trl(args, data_rows)
+    print(f"trl           {results['trl']['tokens_per_s']:8.1f} tok/s", flush=True)
+    ratio = results["posttrain"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
+    results["ratio_posttrain_over_trl"] = ratio
+    results["posttrain_over_raw"] = results["posttrain"]["tokens_per_s"] / results["raw_forward_backward"]["tokens_per_s"]
+    results["trl_over_raw"] = results["trl"]["tokens_per_s"] / results["raw_forward_backward"]["tokens_per_s"]
+    print(f"\nposttrain / TRL = {ratio:.2f}x   (posttrain at {results['posttrain_over_raw']:.2f} of raw, TRL at {results['trl_over_raw']:.2f})")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""`posttrain methods`: SPEC §0's table (policy / reward / reference / value per method), from the registry."""
+
+from __future__ import annotations
+
+from posttrain.plan.methods import method_table
+
+
+def main(argv: list[str]) -> None:
+    rows = method_table()
+    cols = ["method", "reward comes from", "reference constrains by", "value model", "models in memory"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    print("  ".join("-" * widths[c] for c in cols))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))

@@ -14,7 +14,8 @@ batch), for every mode, so the accumulated gradient equals one big batch's. (Ave
 batch token means instead weights tokens of short micro-batches more.) Under DDP, whose all-reduce
 *averages* gradients over `world_size` ranks, multiply the local aggregate by world_size (or use a
 sum all-reduce). Without them the local counts are used (correct for a single micro-batch).
-A sequence whose row has no loss token contributes 0 and is not counted in S.
+A sequence whose row has no loss token contributes 0 and is not counted in S; a (micro-)batch with
+no loss token at all aggregates to 0 (local normalisers are clamped at 1), not NaN.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", 
     keep = mask.bool()
     per_tok = torch.where(keep, loss, torch.zeros_like(loss))  # (B, T), masked garbage cannot leak
     if mode == "token_mean":
-        den = m.sum() if norm_tokens is None else norm_tokens
+        den = m.sum().clamp(min=1) if norm_tokens is None else norm_tokens
         return per_tok.sum() / den
     seq_sum = per_tok.sum(-1)  # (B,)  Σ_t ℓ_it m_it
-    s = (m.sum(-1) > 0).to(loss.dtype).sum() if num_sequences is None else num_sequences
+    s = (m.sum(-1) > 0).to(loss.dtype).sum().clamp(min=1) if num_sequences is None else num_sequences
     if mode == "seq_mean_token_mean":
         seq = seq_sum / m.sum(-1).clamp(min=1)  # (B,)  per-sequence token mean (0 for empty rows)
         return seq.sum() / s

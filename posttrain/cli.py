@@ -12,6 +12,7 @@ import sys
 # name -> ("module:function", one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("posttrain.recipes.sft:main", "supervised fine-tuning (assistant-only loss, packing, LoRA)"),
+    "rl": ("posttrain.recipes.rl:main", "online RL: grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp"),
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),

@@ -195,3 +195,31 @@ def test_smollm2_greedy_equals_hf():
     outs = Engine(model, tok, EngineConfig(max_num_seqs=8, max_model_len=512, kv_cache_mb=256)).generate([Request(p, params) for p in prompts])
     worst = max((torch.tensor(s.logprobs) - recompute(model, p, s.token_ids, params)).abs().max().item() for p, o in zip(prompts, outs) for s in o.samples)
     assert worst < 1e-4
+
+
+def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
+    model = load_model("tiny-random")
+    packed, plain = engine(model), engine(model, pack_weights=False)
+    params = SamplingParams(n=2, temperature=0.8, max_new_tokens=10, ignore_eos=True, seed=7)
+    a, b = packed.generate([Request(PROMPTS[1], params)])[0], plain.generate([Request(PROMPTS[1], params)])[0]
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+    w = packed.runner.gate_up[0].w
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with torch.enable_grad():
+        model(torch.tensor([PROMPTS[1]])).logits.float().pow(2).mean().backward()
+    opt.step()  # in place, between two step() calls of an interleaving caller
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    packed.add_request(Request(PROMPTS[2], greedy))
+    packed.step()
+    assert packed.runner.gate_up[0].w is not w  # rebuilt from the new weights
+    m = model.model.layers[0].mlp
+    assert torch.equal(packed.runner.gate_up[0].w, torch.cat([m.gate_proj.weight, m.up_proj.weight]).t())
+    while packed.scheduler.has_work():
+        packed.step()
+    assert packed.generate([Request(PROMPTS[2], greedy)])[0].samples[0].token_ids == hf_greedy(model, PROMPTS[2], 12)
+    with torch.no_grad():  # .data writes bypass version counters: reset_prefix_cache() rebuilds
+        for p in model.parameters():
+            p.data.mul_(1.5)
+    packed.reset_prefix_cache()
+    assert packed.generate([Request(PROMPTS[2], greedy)])[0].samples[0].token_ids == hf_greedy(model, PROMPTS[2], 12)

@@ -125,3 +125,21 @@ def test_sample_edges_never_pick_zero_probability(bad):
     lp[0, 290] = math.log(0.75)
     t = sample(lp, torch.tensor([bad - 2**-24 if bad else 0.0]))
     assert t.item() in (17, 290)
+
+
+def test_sample_logits_fast_paths_match_process_logits_and_sample():
+    from posttrain.ops.sampling import sample_logits
+    torch.manual_seed(0)
+    N, V = 12, 1000
+    logits = torch.randn(N, V) * 3
+    temp = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 0.9, 0.0, 1.0, 2.0, 1.0, 0.5, 1.0])
+    top_k = torch.tensor([0, 0, 0, 0, 20, 0, 5, V, 0, 0, 0, 3])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 1.0, 0.95, 1.0, 0.5])
+    u = counter_uniforms(torch.full((N,), 9), torch.arange(N), torch.zeros(N, dtype=torch.long))
+    tok, lp = sample_logits(logits, temp, top_k, top_p, u)
+    ref_lp = torch.cat([process_logits(logits[i:i + 1], temp[i], top_k[i], top_p[i]) for i in range(N)])
+    assert tok.tolist() == sample(ref_lp, u).tolist()
+    assert (lp - ref_lp.gather(1, tok[:, None]).squeeze(1)).abs().max() < 1e-5
+    for i in range(N):  # a row's draw does not depend on the other rows (fast path chosen per row)
+        t1, l1 = sample_logits(logits[i:i + 1], temp[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], u[i:i + 1])
+        assert t1.item() == tok[i].item() and l1.item() == lp[i].item()

@@ -73,18 +73,22 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
 def sample(logprobs: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) -> torch.Tensor:
     """One token per row of `logprobs` (N, V): the smallest index whose CDF exceeds u·total.
 
-    `uniforms` (N,) in [0, 1). Two-level inverse CDF: float64 sums of `chunks` vocabulary chunks
-    pick the chunk, a float64 cumsum inside it picks the token. Tokens of probability 0 are never
-    drawn (a flat CDF step cannot exceed the target first; a rounding overshoot falls back to the
-    chunk's last token of positive probability).
+    `uniforms` (N,) in [0, 1). Two-level inverse CDF: the sums of `chunks` vocabulary chunks pick
+    the chunk (a float64 cumsum over them), a float64 cumsum inside it picks the token. Tokens of
+    probability 0 are never drawn (a flat CDF step cannot exceed the target first; a rounding
+    overshoot falls back to the chunk's last token of positive probability).
     """
-    N, V = logprobs.shape
+    return _inverse_cdf(logprobs.float().exp(), uniforms, chunks)
+
+
+def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) -> torch.Tensor:
+    """`sample` on non-negative weights `p` (N, V) that need not be normalised."""
+    N, V = p.shape
     W = -(-V // chunks)
-    p = logprobs.float().exp()
     if W * chunks != V:
         p = torch.nn.functional.pad(p, (0, W * chunks - V))
     p = p.view(N, chunks, W)
-    csum = p.sum(-1, dtype=torch.float64).cumsum(-1)  # (N, C)
+    csum = p.sum(-1).double().cumsum(-1)  # (N, C); float32 chunk sums (a float64 cast of all of p is slow)
     target = uniforms.double().unsqueeze(-1) * csum[:, -1:]  # (N, 1)
     c = torch.searchsorted(csum, target, right=True).clamp_(max=chunks - 1)  # (N, 1)
     base = torch.where(c > 0, csum.gather(1, (c - 1).clamp(min=0)), torch.zeros_like(target))
@@ -94,6 +98,50 @@ def sample(logprobs: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) ->
     last_pos = (W - 1) - (inner > 0).flip(-1).int().argmax(-1)  # last positive token of the chunk
     j = torch.minimum(j, last_pos)
     return c.squeeze(-1) * W + j
+
+
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of `logits` (N, V) and return (tokens (N,), their behaviour log-probs (N,)).
+
+    The same distribution as `sample(process_logits(logits, T, k, p), uniforms)`, with fast paths
+    chosen per row from the row's own parameters (so a row's draw never depends on its neighbours):
+    greedy rows (T == 0) take the argmax (log-prob 0); plain rows (T > 0, no top-k, top_p >= 1) skip
+    the sorts and the full log_softmax: one exp(z - max) pass gives the (unnormalised) weights the
+    inverse CDF needs, and the token's log-prob is z_tok - max - log(sum). Other rows go through
+    `process_logits` + `sample`. All per-row parameters are (N,) tensors.
+    """
+    N, V = logits.shape
+    tok = torch.empty(N, dtype=torch.long, device=logits.device)
+    lp = torch.empty(N, dtype=torch.float32, device=logits.device)
+    greedy = temperature == 0
+    plain = ~greedy & ((top_k <= 0) | (top_k >= V)) & (top_p >= 1)
+    rest = ~greedy & ~plain
+    all_plain = bool(plain.all())
+    if all_plain or bool(plain.any()):
+        rows = None if all_plain else plain.nonzero().squeeze(1)
+        z = logits.float() if rows is None else logits.float()[rows]
+        t = temperature if rows is None else temperature[rows]
+        if not bool((t == 1).all()):
+            z = z / t.unsqueeze(-1)
+        m = z.amax(-1, keepdim=True)
+        e = (z - m).exp_()
+        u = uniforms if rows is None else uniforms[rows]
+        t_ = _inverse_cdf(e, u)
+        l_ = (z.gather(1, t_.unsqueeze(1)) - m).squeeze(1) - e.sum(-1).log()
+        if rows is None:
+            return t_, l_
+        tok[rows], lp[rows] = t_, l_
+    if bool(greedy.any()):
+        rows = greedy.nonzero().squeeze(1)
+        tok[rows] = logits[rows].float().argmax(-1)
+        lp[rows] = 0.0
+    if bool(rest.any()):
+        rows = rest.nonzero().squeeze(1)
+        logprobs = process_logits(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+        t_ = sample(logprobs, uniforms[rows])
+        tok[rows], lp[rows] = t_, logprobs.gather(1, t_.unsqueeze(1)).squeeze(1)
+    return tok, lp
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from pydantic import Field
 
 from posttrain.config import Config
-from posttrain.ops.sampling import counter_uniforms, process_logits, sample
+from posttrain.ops.sampling import counter_uniforms, sample_logits
 from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
@@ -41,6 +41,7 @@ class EngineConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB, allocated once (also capped at 2 x max_num_seqs x max_model_len tokens)")
     max_prefill_tokens: int = Field(4096, ge=1, description="uncached prompt tokens per prefill step (one longer prompt still runs alone)")
     seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
+    pack_weights: bool = Field(True, description="run from a fused (q|k|v, gate|up), transposed copy of the linear weights (one more copy of them in memory), rebuilt when the weights change; false reads the model's weights at every forward")
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Engine:
         num_blocks = min(int(cfg.kv_cache_mb * 2**20 // self.kv_block_bytes), 2 * cfg.max_num_seqs * per_seq_blocks)
         if num_blocks < per_seq_blocks:
             raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
-        self.runner = Runner(model, num_blocks, bs, self.max_model_len)
+        self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
         self.default_eos = self._eos_ids()
@@ -124,8 +125,14 @@ class Engine:
         return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def reset_prefix_cache(self) -> None:
+        """Forget the cached KV and rebuild the packed weights (call after changing weights via `.data`)."""
         self.blocks.reset_prefix_cache()
+        self.runner.refresh_weights()
         self._weights_version = self._version()
+
+    def _check_weights(self) -> None:
+        if self._version() != self._weights_version:  # weights changed in place: packed copy and cached KV are stale
+            self.reset_prefix_cache()
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict) -> None:
@@ -168,8 +175,6 @@ class Engine:
 
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run requests to completion (continuous batching); outputs in request order."""
-        if self._version() != self._weights_version:  # weights changed in place: cached KV is stale
-            self.reset_prefix_cache()
         self._t0 = time.perf_counter()
         states = [self.add_request(r, i) for i, r in enumerate(requests)]
         while self.scheduler.has_work():
@@ -178,6 +183,7 @@ class Engine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> None:
+        self._check_weights()
         batch = self.scheduler.schedule()
         for g in batch.rejected:
             self._fail(g, f"prompt of {len(g.parent.token_ids)} tokens does not fit in the KV cache ({self.blocks.num_blocks} blocks)")
@@ -231,11 +237,11 @@ class Engine:
 
     def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
-        logprobs = process_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows])
         g = self.ngen[rows]
-        tok = sample(logprobs, counter_uniforms(self.seed[rows], self.sidx[rows], g))
+        tok, lp = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows],
+                                counter_uniforms(self.seed[rows], self.sidx[rows], g))
         self.out_tok[rows, g] = tok
-        self.out_lp[rows, g] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
+        self.out_lp[rows, g] = lp
         self.ngen[rows] = g + 1
         self.ntok[rows] += 1
         self.last[rows] = tok

@@ -41,6 +41,7 @@ class EngineConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB, allocated once (also capped at 2 x max_num_seqs x max_model_len tokens)")
     max_prefill_tokens: int = Field(4096, ge=1, description="uncached prompt tokens per prefill step (one longer prompt still runs alone)")
     seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
+    slot_kv: bool = Field(True, description="decode attends a per-slot contiguous copy of the running sequences' KV (no per-layer gather of blocks; + max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
     pack_weights: bool = Field(True, description="run from a fused (q|k|v, gate|up), transposed copy of the linear weights (one more copy of them in memory), rebuilt when the weights change; false reads the model's weights at every forward")
 
 
@@ -91,7 +92,7 @@ class Engine:
         num_blocks = min(int(cfg.kv_cache_mb * 2**20 // self.kv_block_bytes), 2 * cfg.max_num_seqs * per_seq_blocks)
         if num_blocks < per_seq_blocks:
             raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
-        self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights)
+        self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights, cfg.max_num_seqs if cfg.slot_kv else 0)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
         self.default_eos = self._eos_ids()
@@ -206,6 +207,7 @@ class Engine:
         for gi, g in enumerate(groups):
             started, copies = self.scheduler.start(g)
             self.runner.copy_blocks(copies)
+            self.runner.load_slots([(s.slot, s.block_table, len(s.token_ids)) for s in started])
             for s in started:
                 self._join(s)
             seqs += started
@@ -229,7 +231,7 @@ class Engine:
         if rows.numel():
             pos = self.ntok[rows] - 1
             nb = int(pos.max()) // self.blocks.block_size + 1
-            logits = self.runner.decode(self.last[rows], pos, self.tables[rows, :nb])
+            logits = self.runner.decode(self.last[rows], pos, self.tables[rows, :nb], rows)
             self._sample_and_record(self.scheduler.running, rows, logits)
             self.stats.decode_steps += 1
             self.stats.occupancy_sum += rows.numel() / self.config.max_num_seqs

@@ -39,8 +39,7 @@ def check_supported(model) -> None:
 
 
 def _rmsnorm(x: torch.Tensor, mod) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon)
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=mod.variance_epsilon)  # x * rsqrt(mean(x^2) + eps), fused
     return mod.weight * h.to(x.dtype)
 
 
@@ -80,7 +79,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class Runner:
-    def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True):
+    def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True,
+                 slot_kv_seqs: int = 0):
         check_supported(model)
         cfg = model.config
         self.model = model
@@ -108,6 +108,33 @@ class Runner:
         shape = (len(self.layers), num_blocks * block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # slot KV: a per-slot contiguous copy (layers, slots, kv, T, D) that decode attends without gathering
+        # blocks; T grows (doubling) to the longest running context. Off (0 slots): gather the paged blocks.
+        self.slot_seqs, self.max_model_len = slot_kv_seqs, max_model_len
+        self.k_slot = self.v_slot = None
+
+    def _ensure_slot_kv(self, T: int) -> None:
+        cap = 0 if self.k_slot is None else self.k_slot.shape[3]
+        if T <= cap:
+            return
+        new_cap = min(self.max_model_len, max(T, 2 * cap, 64))
+        shape = (len(self.layers), self.slot_seqs, self.n_kv, new_cap, self.head_dim)
+        k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if cap:
+            k[:, :, :, :cap], v[:, :, :, :cap] = self.k_slot, self.v_slot
+        self.k_slot, self.v_slot = k, v
+
+    @torch.inference_mode()
+    def load_slots(self, seqs: list[tuple[int, list[int], int]]) -> None:
+        """(slot, block table, tokens) of sequences joining decode: copy their paged KV into their slots."""
+        if not self.slot_seqs or not seqs:
+            return
+        self._ensure_slot_kv(max(n for *_, n in seqs) + 1)
+        bs = self.block_size
+        for slot, table, n in seqs:
+            idx = torch.tensor([table[j // bs] * bs + j % bs for j in range(n)], device=self.device)
+            self.k_slot[:, slot, :, :n] = self.k_cache[:, idx].transpose(1, 2)
+            self.v_slot[:, slot, :, :n] = self.v_cache[:, idx].transpose(1, 2)
 
     def refresh_weights(self) -> None:
         """Rebuild the packed weight copies from the model's current weights."""
@@ -147,8 +174,9 @@ class Runner:
         nq, nk, D = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = self.qkv[i](_rmsnorm(x, layer.input_layernorm))
-            q = _rope(qkv[:, :nq].view(N, self.n_heads, D), cos, sin)
-            self.k_cache[i].index_copy_(0, slots, _rope(qkv[:, nq:nq + nk].view(N, self.n_kv, D), cos, sin))
+            qk = _rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once
+            q = qk[:, :self.n_heads]
+            self.k_cache[i].index_copy_(0, slots, qk[:, self.n_heads:])
             self.v_cache[i].index_copy_(0, slots, qkv[:, nq + nk:].view(N, self.n_kv, D))
             x = x + self.o[i](attend(i, q))
             gu = self.gate_up[i](_rmsnorm(x, layer.post_attention_layernorm))
@@ -196,13 +224,15 @@ class Runner:
         return self.logits(hidden[last])
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence. tokens/positions (B,), tables (B, nb) block ids -> logits (B, V)."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence. tokens/positions/rows (engine slots) (B,), tables (B, nb) block ids -> logits (B, V)."""
         bs, B = self.block_size, tokens.shape[0]
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         T = tables.shape[1] * bs
         mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None]).view(B, 1, 1, T)
         scale = self.head_dim ** -0.5
+        if self.slot_seqs:
+            return self.logits(self._forward(tokens, positions, slots, self._slot_attend(positions, slots, rows)))
 
         def attend(i, q):
             q = q.view(B, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
@@ -210,3 +240,25 @@ class Runner:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, -1)
 
         return self.logits(self._forward(tokens, positions, slots, attend))
+
+    def _slot_attend(self, positions, slots, rows):
+        """Decode attention over the slot KV of slots 0..max(rows): no gather. The new k/v (just written to
+        the paged cache) are copied into the slots; queries are scattered into slot order (idle slots in
+        the range attend position 0 and are dropped)."""
+        T = int(positions.max()) + 1
+        self._ensure_slot_kv(T)
+        S = int(rows.max()) + 1
+        ident = S == rows.shape[0] and bool((rows == torch.arange(S, device=self.device)).all())  # rows are slots 0..S-1
+        pos_s = positions if ident else torch.zeros(S, dtype=torch.long, device=self.device).index_copy_(0, rows, positions)
+        mask = (torch.arange(T, device=self.device)[None, :] <= pos_s[:, None]).view(S, 1, 1, T)
+        scale = self.head_dim ** -0.5
+
+        def attend(i, q):
+            self.k_slot[i, rows, :, positions] = self.k_cache[i, slots]
+            self.v_slot[i, rows, :, positions] = self.v_cache[i, slots]
+            q = q.reshape(-1, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
+            qs = q if ident else q.new_zeros(S, *q.shape[1:]).index_copy_(0, rows, q)
+            o = F.scaled_dot_product_attention(qs, self.k_slot[i, :S, :, :T], self.v_slot[i, :S, :, :T], attn_mask=mask, scale=scale)
+            return (o if ident else o[rows]).reshape(rows.shape[0], -1)
+
+        return attend

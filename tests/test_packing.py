@@ -60,3 +60,26 @@ def test_packed_equals_padded_loss(tiny_tok):
     with torch.no_grad():
         lp_naive, _ = token_logprobs(model, naive)
     assert (lp_naive - lp_packed).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2"])
+def test_varlen_attention_equals_masked_sdpa_with_gradients(tiny_tok, name):
+    s = samples(tiny_tok)
+    packed = collate([s[:3], s[3:]], tiny_tok.pad_token_id, packed=True)  # two rows, the second padded
+    results = []
+    for varlen in (False, True):
+        model = load_model(name, varlen_attention=varlen)
+        logp, _ = token_logprobs(model, packed)
+        logp.sum().backward()
+        results.append((logp.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_segments_merge_padding_tail():
+    from posttrain.ops.attention import segments_from_positions
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]])
+    assert segments_from_positions(pos, [5, 4]) == [[3, 4], [7]]
+    assert segments_from_positions(pos) == [[3, 2, 2], [4, 3]]

@@ -51,6 +51,7 @@ class Batch:
     attention_mask: torch.Tensor | None  # (B, T) 1 = real token; None when packed (positions define blocks)
     num_tokens: int  # real (non-pad) tokens
     num_padding: int  # pad tokens in the tensors
+    row_tokens: list[int] | None = None  # real tokens at the start of each row (the rest is padding)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -65,7 +66,7 @@ def _targets(sample: Tokenized) -> list[int]:
 def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool) -> Batch:
     """`rows[b]` is the list of samples laid end to end in row b (one sample per row when padding)."""
     width = max(sum(len(s) for s in row) for row in rows)
-    ids, pos, tgt, att = [], [], [], []
+    ids, pos, tgt, att, lengths = [], [], [], [], []
     real = 0
     for row in rows:
         r_ids, r_pos, r_tgt = [], [], []
@@ -75,6 +76,7 @@ def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool) -> Batch:
             r_tgt += _targets(s)
         n = len(r_ids)
         real += n
+        lengths.append(n)
         pad = width - n
         att.append([1] * n + [0] * pad)
         ids.append(r_ids + [pad_id] * pad)
@@ -89,4 +91,5 @@ def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool) -> Batch:
         attention_mask=None if packed else torch.tensor(att, dtype=torch.long),
         num_tokens=real,
         num_padding=total - real,
+        row_tokens=lengths,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.data.packing import IGNORE, Batch
+from posttrain.ops.attention import NAME as VARLEN, segments_from_positions
 from posttrain.ops.logprobs import chunked_logprobs
 
 
@@ -25,11 +26,15 @@ def backbone_and_head(model):
 def hidden_states(model, batch: Batch) -> torch.Tensor:
     """Last hidden states (B, T, H) of the decoder for a packed or padded batch."""
     backbone, _ = backbone_and_head(model)
+    extra = {}
+    if getattr(unwrap(model).config, "_attn_implementation", None) == VARLEN:
+        extra["segments"] = segments_from_positions(batch.position_ids, batch.row_tokens)  # per-sample causal attention
     out = backbone(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         attention_mask=batch.attention_mask,
         use_cache=False,
+        **extra,
     )
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 

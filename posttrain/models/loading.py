@@ -49,16 +49,26 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0):
-    """A causal LM in eval-ready state. PEFT adapter folders load with their base model."""
+def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, varlen_attention: bool = True):
+    """A causal LM. PEFT adapter folders load with their base model.
+
+    `varlen_attention` switches attention to posttrain's per-sample SDPA for packed training rows
+    (ops/attention.py); generation and any other call still use the stock SDPA path.
+    """
     from transformers import AutoModelForCausalLM
 
     path = resolve(name)
     dtype = to_dtype(dtype)
     if path is None:
-        return build_tiny(name, seed=seed, dtype=dtype)
-    if (path / "adapter_config.json").is_file():
+        model = build_tiny(name, seed=seed, dtype=dtype)
+    elif (path / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
+        from posttrain.ops.attention import install
+
+        model.set_attn_implementation(install())
+    return model

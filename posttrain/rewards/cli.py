@@ -35,22 +35,10 @@ class ScoreConfig(Config):
 
 
 def _read_rows(path: str) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"data file not found: {path}")
-    rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(path, n, None, f"invalid JSON: {e.msg} at column {e.colno}") from None
-            if not isinstance(row, dict):
-                raise DataError(path, n, None, f"expected a JSON object, got {type(row).__name__}")
-            row["__line__"] = n
-            rows.append(row)
+    """Rows of the input file (any format `posttrain.data.formats.read_rows` reads), tagged with their row number."""
+    from posttrain.data.formats import read_rows
+
+    rows = [dict(r.data, __line__=r.number) for r in read_rows(path)]
     if not rows:
         raise UserError(f"{path}: no rows")
     return rows

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
-from posttrain.errors import DataError, UserError
+from posttrain.errors import UserError
 from posttrain.rollout.types import Request, SamplingParams
 
 
@@ -41,27 +41,15 @@ class GenerateConfig(Config):
 
 
 def read_prompts(path: str, tokenizer) -> list[list[int]]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"data: prompts file not found: {path}")
+    """Token ids of every `prompt` (a string becomes one user turn; the chat template adds the generation header)."""
+    from posttrain.data import formats
+
+    rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
     prompts = []
-    for row, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(path, row, None, f"invalid JSON: {e}") from None
-        prompt = obj.get("prompt") if isinstance(obj, dict) else None
-        if isinstance(prompt, str):
-            msgs = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt):
-            msgs = prompt
-        else:
-            raise DataError(path, row, "prompt", "expected a string or a list of {role, content} messages")
+    for row in rows:
+        prompt = row.data["prompt"]
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-    if not prompts:
-        raise DataError(path, None, None, "no prompts")
     return prompts
 
 

@@ -29,7 +29,7 @@ from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
 from posttrain.rollout.sequence import Group, Sequence
-from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams
+from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams, check_request
 
 
 class EngineConfig(Config):
@@ -153,22 +153,12 @@ class Engine:
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
         state = _RequestState(request, out, seed, [] if p.ignore_eos else (self.default_eos if p.stop_token_ids is None else list(p.stop_token_ids)), p.n)
         try:
-            p.validate()
-            ids = request.prompt_token_ids
-            if not ids:
-                raise ValueError("empty prompt")
-            vocab = self.runner.embed.weight.shape[0]
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} (prompt + at least 1 new token)")
-            if p.stop_strings and self.tokenizer is None:
-                raise ValueError("stop_strings need a tokenizer")
+            check_request(request, self.max_model_len, self.runner.embed.weight.shape[0], self.tokenizer is not None)
         except ValueError as e:
             out.error = f"request {out.request_id}: {e}"
             state.remaining = 0
             return state
-        chunk = self.config.max_num_seqs
+        chunk, ids = self.config.max_num_seqs, request.prompt_token_ids
         for j0 in range(0, p.n, chunk):
             parent = Sequence(list(ids), len(ids), j0, state)
             self.scheduler.add(Group(parent, list(range(j0, min(p.n, j0 + chunk)))))

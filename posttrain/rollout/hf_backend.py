@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from posttrain.rollout.types import Completion, Request, RequestOutput
+from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
 
 
 class HFBackend:
@@ -37,13 +37,7 @@ class HFBackend:
             out = RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
             seed = r.params.seed if r.params.seed is not None else self.rng.getrandbits(63)
             try:
-                r.params.validate()
-                if not r.prompt_token_ids:
-                    raise ValueError("empty prompt")
-                if len(r.prompt_token_ids) >= self.max_model_len:
-                    raise ValueError(f"prompt has {len(r.prompt_token_ids)} tokens; the context holds {self.max_model_len}")
-                if r.params.stop_strings and self.tokenizer is None:
-                    raise ValueError("stop_strings need a tokenizer")
+                check_request(r, self.max_model_len, has_tokenizer=self.tokenizer is not None)
                 out.samples = self._one(r, seed)
             except ValueError as e:
                 out.error = f"request {out.request_id}: {e}"

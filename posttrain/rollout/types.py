@@ -86,3 +86,17 @@ class RequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def check_request(request: Request, max_model_len: int, vocab_size: int | None = None, has_tokenizer: bool = True) -> None:
+    """Raise ValueError naming what is wrong with one request; every backend refuses it alone."""
+    request.params.validate()
+    ids = request.prompt_token_ids
+    if not ids:
+        raise ValueError("empty prompt")
+    if vocab_size is not None and not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len} (prompt + at least 1 new token)")
+    if request.params.stop_strings and not has_tokenizer:
+        raise ValueError("stop_strings need a tokenizer")

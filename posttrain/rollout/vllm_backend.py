@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from posttrain.errors import UserError
-from posttrain.rollout.types import Completion, Request, RequestOutput
+from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
 
 
 def _vllm():
@@ -60,11 +60,7 @@ class VLLMBackend:
         ok = []
         for out, r in zip(outs, requests):
             try:
-                r.params.validate()
-                if not r.prompt_token_ids:
-                    raise ValueError("empty prompt")
-                if len(r.prompt_token_ids) >= self.max_model_len:
-                    raise ValueError(f"prompt has {len(r.prompt_token_ids)} tokens; the context holds {self.max_model_len}")
+                check_request(r, self.max_model_len)
                 ok.append((out, r))
             except ValueError as e:
                 out.error = f"request {out.request_id}: {e}"

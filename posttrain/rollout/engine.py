@@ -131,6 +131,14 @@ class Engine:
         self.runner.refresh_weights()
         self._weights_version = self._version()
 
+    def sync_weights(self) -> None:
+        """The trainer changed the shared weights (call after every optimizer step).
+
+        Changes are also detected through tensor version counters, but fused optimizers
+        (AdamW(fused=True)) update parameters without bumping them, so trainers must call this.
+        """
+        self.reset_prefix_cache()
+
     def _check_weights(self) -> None:
         if self._version() != self._weights_version:  # weights changed in place: packed copy and cached KV are stale
             self.reset_prefix_cache()

@@ -10,7 +10,6 @@ keys). Unknown keys are errors that name the nearest valid key. `describe(cls)` 
 from __future__ import annotations
 
 import difflib
-import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
 

@@ -1,7 +1,6 @@
 """Registry, composition, error reporting, format / language / overlong rewards, `posttrain score`."""
 
 import json
-import math
 
 import pytest
 

@@ -2,8 +2,6 @@
 
 import os
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from conftest import write_jsonl
 from posttrain.config import parse_args

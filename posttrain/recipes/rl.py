@@ -185,7 +185,8 @@ def train(cfg: RLConfig) -> dict:
     agg_mode = cfg.loss_agg or preset["agg"]
     dynamic = preset["dynamic"] if cfg.dynamic_sampling is None else cfg.dynamic_sampling
 
-    resume_from = list_checkpoints(Path(cfg.output_dir))[-1] if cfg.resume and list_checkpoints(Path(cfg.output_dir)) else None
+    existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
+    resume_from = existing[-1] if existing else None
     out = setup_run(cfg, resume=cfg.resume)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
@@ -306,7 +307,8 @@ def train(cfg: RLConfig) -> dict:
                     agg["clip_low"] += float(lm.get("clip_frac/low", 0.0)) * n_tok
                     agg["clip_high"] += float(lm.get("clip_frac/high", 0.0)) * n_tok
                 norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-                grad_norm = norm if epoch == 0 else grad_norm
+                if epoch == 0:
+                    grad_norm = norm  # logged: the norm of the first (fully on-policy) update
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             scheduler.step()

@@ -21,8 +21,7 @@ from pydantic import Field
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
-from posttrain.data.templates import TemplateError, Tokenized, render_messages, render_row, render_text
-from posttrain.errors import DataError
+from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
 from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
@@ -173,7 +172,8 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024) -> torc
 
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; returns the summary written to the report."""
-    resume_from = list_checkpoints(Path(cfg.output_dir))[-1] if cfg.resume and list_checkpoints(Path(cfg.output_dir)) else None
+    existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
+    resume_from = existing[-1] if existing else None
     out = setup_run(cfg, resume=cfg.resume)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)

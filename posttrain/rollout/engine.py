@@ -29,7 +29,7 @@ from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
 from posttrain.rollout.sequence import Group, Sequence
-from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams, check_request
+from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
 
 
 class EngineConfig(Config):

@@ -44,3 +44,10 @@ def test_cli_errors_exit_2(capsys):
     assert "did you mean 'max_steps'" in capsys.readouterr().err
     assert cli(["sfft"]) == 2
     assert cli(["--help"]) == 0
+
+
+def test_methods_prints_table_and_registries(capsys):
+    assert cli(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo" in out and "models in memory" in out
+    assert "policy losses" in out and "cispo" in out and "math" in out

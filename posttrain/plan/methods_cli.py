@@ -13,3 +13,23 @@ def main(argv: list[str]) -> None:
     print("  ".join("-" * widths[c] for c in cols))
     for r in rows:
         print("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    print()
+    for label, names in registries():
+        print(f"{label:22s} {', '.join(names)}")
+
+
+def registries() -> list[tuple[str, list[str]]]:
+    """The public registries users extend (`posttrain.algos.*`, `posttrain.rewards.registry`), as they are now."""
+    from posttrain import algos
+    from posttrain.recipes.rl import ALGOS
+    from posttrain.rewards import registry as rewards
+
+    return [
+        ("rl algos", list(ALGOS)),
+        ("advantage estimators", algos.advantages.names()),
+        ("policy losses", algos.policy_losses.names()),
+        ("preference losses", algos.preference_losses.names()),
+        ("KL estimators", algos.kl_estimators.names()),
+        ("distillation losses", algos.distill_losses.names()),
+        ("rewards", rewards.names()),
+    ]

@@ -101,6 +101,8 @@ class Rollout:
     text: str
     group: int
     reward: float | None = None
+    valid: bool = True  # False: left out of the loss (reward None, or truncated with mask_truncated)
+    advantage: float = 0.0
 
 
 # ---------------------------------------------------------------- phases
@@ -263,9 +265,9 @@ def train(cfg: RLConfig) -> dict:
             adv, adv_metrics = adv_fn(rewards, groups)
         # 5-6. reference + update
         batches = make_batches(kept, tok.pad_token_id, cfg.micro_batch_size)
-        sample_valid = {id(x): bool(v) for x, v in zip(kept, valid)}
-        sample_adv = {id(x): float(a) for x, a in zip(kept, adv)}
-        norm_tokens = sum(len(x.completion_ids) for x in kept if sample_valid[id(x)])
+        for x, v, a in zip(kept, valid.tolist(), adv.tolist()):
+            x.valid, x.advantage = v, a
+        norm_tokens = sum(len(x.completion_ids) for x in kept if x.valid)
         num_seqs = int(valid.sum())
         ref_logps = []
         if ref is not None:
@@ -280,7 +282,7 @@ def train(cfg: RLConfig) -> dict:
             for epoch in range(cfg.ppo_epochs):  # each epoch is one optimizer step over the whole batch
                 for k, (b, chunk) in enumerate(batches):
                     logp, sel, ent = token_logps(model, b, cfg, with_entropy=(epoch == 0))
-                    mask = sel & torch.tensor([[sample_valid[id(x)]] for x in chunk])
+                    mask = sel & torch.tensor([[x.valid] for x in chunk])
                     if epoch == 0:  # on-policy: the old policy is the current one (no recomputation)
                         old = logp.detach()
                         old_logps.append(old)
@@ -293,7 +295,7 @@ def train(cfg: RLConfig) -> dict:
                         agg["tokens"] += int(sel.sum())
                     else:
                         old = old_logps[k]
-                    a = torch.tensor([sample_adv[id(x)] for x in chunk])[:, None].expand_as(logp)
+                    a = torch.tensor([x.advantage for x in chunk])[:, None].expand_as(logp)
                     tok_loss, lm = loss_fn(logp, old, a, mask, **cfg.loss_args)
                     if ref is not None:
                         kl_tok = kl_estimate(logp, ref_logps[k], cfg.kl_estimator)

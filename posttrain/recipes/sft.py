@@ -239,9 +239,7 @@ def train(cfg: SFTConfig) -> dict:
             **timer.pop(),
         }
         done = step + 1
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.max_steps:
-            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
-        if done == cfg.max_steps:
+        if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
             row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
         if cfg.sample_every and sample_convs and (done % cfg.sample_every == 0 or done == cfg.max_steps):
             write_samples(model, tok, sample_convs, done, out / "samples.jsonl", cfg.sample_max_tokens)

@@ -65,13 +65,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations, both sides")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
     ap.add_argument("--out", default="benchmarks/results/engine_vs_hf.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tok = load_model(args.model), load_tokenizer(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype), load_tokenizer(args.model)
     model.eval()
     msgs = [TOPICS[i % len(TOPICS)] for i in range(args.prompts)]
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]

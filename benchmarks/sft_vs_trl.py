@@ -1,8 +1,11 @@
 """SFT training throughput: posttrain vs TRL's SFTTrainer, side by side in one run.
 
-Same model (SmolLM2-135M-Instruct, fp32, CPU), same data (the built-in arithmetic conversations),
+Same model (SmolLM2-135M-Instruct, fp32 weights, CPU), same data (the built-in arithmetic conversations),
 same packing (best-fit decreasing into rows of --max-length tokens, attention kept inside samples),
-same rows per step (--batch) and per forward (--micro), same optimizer (AdamW, same lr).
+same rows per step (--batch) and per forward (--micro), same optimizer (AdamW, same lr), same
+precision (--precision fp32: everything fp32; bf16: torch.autocast bf16 on both sides, which is
+TRL's default `bf16=True`), no activation checkpointing on either side (TRL's SFTConfig turns it on
+by default; --trl-defaults keeps TRL's defaults instead, for reference).
 Both are timed per optimizer step after --warmup steps; tokens are real (non-padding) tokens. The two
 sides run alternately --repeats times and the best run of each is compared.
 Also prints the raw forward+backward rate of the bare HF model on one packed row as the ceiling.
@@ -40,6 +43,7 @@ def run_posttrain(args, data_rows) -> dict:
             f"batch_size={args.batch}", f"micro_batch_size={args.micro}", f"max_length={args.max_length}",
             "optim.lr=2e-5", "optim.warmup_steps=0", "eval_fraction=0", "eval_every=0", "sample_every=0",
             "save_every=0", "forgetting_probe=false", "progress=false",
+            f"mixed_precision={'bf16' if args.precision == 'bf16' else 'none'}",
         ])
         sft.train(cfg)
         rows = [json.loads(l) for l in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()][args.warmup:]
@@ -74,6 +78,7 @@ def run_trl(args, data_rows) -> dict:
             learning_rate=2e-5, lr_scheduler_type="cosine", warmup_steps=0, logging_steps=1, save_strategy="no",
             report_to=[], use_cpu=True, dataloader_num_workers=0, include_num_input_tokens_seen="non_padding",
             assistant_only_loss=False, seed=0, disable_tqdm=True,
+            **({} if args.trl_defaults else {"bf16": args.precision == "bf16", "gradient_checkpointing": False}),
         )
         trainer = SFTTrainer(model=load_model(MODEL), args=targs, train_dataset=ds,
                              processing_class=load_tokenizer(MODEL), callbacks=[timer])
@@ -93,7 +98,9 @@ def raw_rate(args) -> dict:
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
     best = min(times)
@@ -109,12 +116,16 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=2, help="packed rows per forward/backward")
     p.add_argument("--rows", type=int, default=600, help="conversations in the dataset")
     p.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; the best of each is compared")
-    p.add_argument("--out", default="benchmarks/results/sft_vs_trl.json")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="both sides: fp32, or bf16 autocast")
+    p.add_argument("--trl-defaults", action="store_true", help="TRL with its own defaults (bf16 autocast + activation checkpointing)")
+    p.add_argument("--out", default="")
     args = p.parse_args()
     from posttrain.data.tasks import generate
 
     data_rows = generate(f"arithmetic:{args.rows}")
-    print(f"threads={torch.get_num_threads()} model={MODEL} max_length={args.max_length} batch={args.batch} micro={args.micro}", flush=True)
+    args.out = args.out or f"benchmarks/results/sft_vs_trl_{args.precision}{'_trl_defaults' if args.trl_defaults else ''}.json"
+    print(f"threads={torch.get_num_threads()} model={MODEL} max_length={args.max_length} batch={args.batch} micro={args.micro} "
+          f"precision={args.precision} trl_defaults={args.trl_defaults}", flush=True)
     results = {"raw_forward_backward": raw_rate(args)}
     print(f"raw fwd+bwd   {results['raw_forward_backward']['tokens_per_s']:8.1f} tok/s", flush=True)
     runs = {"posttrain": [], "trl": []}

@@ -83,3 +83,44 @@ def test_segments_merge_padding_tail():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1, 2]])
     assert segments_from_positions(pos, [5, 4]) == [[3, 4], [7]]
     assert segments_from_positions(pos) == [[3, 2, 2], [4, 3]]
+
+
+def test_bf16_autocast_is_close_to_fp32_and_keeps_the_head_fp32(tiny_tok):
+    """mixed_precision=bf16: backbone matmuls in bf16, residual stream and lm_head fp32. Log-probs
+    stay within bf16 rounding of fp32 (and far from a bf16 head's error); gradients land in fp32."""
+    from posttrain.models.forward import compute_precision
+
+    s = samples(tiny_tok)
+    packed = collate([s[:3], s[3:]], tiny_tok.pad_token_id, packed=True)
+    out = {}
+    for mp in ("none", "bf16"):
+        model = load_model("tiny-random")
+        logp, _ = token_logprobs(model, packed, mixed_precision=mp)
+        logp.sum().backward()
+        out[mp] = (logp.detach(), [p.grad for p in model.parameters()])
+    lp32, lp16 = out["none"][0], out["bf16"][0]
+    assert lp16.dtype == torch.float32 and all(g.dtype == torch.float32 for g in out["bf16"][1])
+    diff = (lp32 - lp16).abs().max().item()
+    assert 0 < diff < 0.05, diff  # bf16 matmuls change something, but only by rounding
+    for g32, g16 in zip(out["none"][1], out["bf16"][1]):
+        assert torch.nn.functional.cosine_similarity(g32.flatten(), g16.flatten(), dim=0) > 0.98
+    with pytest.raises(ValueError, match="mixed_precision"):
+        compute_precision("fp8", "cpu")
+
+
+def test_varlen_attention_runs_fp32_under_cpu_autocast(tiny_tok):
+    """CPU bf16 flash-attention backward is slow: varlen_sdpa upcasts, attends in fp32, returns bf16."""
+    from posttrain.ops.attention import varlen_sdpa
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 10, 8, requires_grad=True), torch.randn(1, 2, 10, 8, requires_grad=True)
+    v = torch.randn(1, 2, 10, 8).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = varlen_sdpa(None, q, k, v, None, scaling=8 ** -0.5, segments=[[6, 4]])
+    assert o.dtype == torch.bfloat16 and o.shape == (1, 10, 4, 8)
+    ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        a, b, c, is_causal=True, scale=8 ** -0.5, enable_gqa=True) for a, b, c in
+        zip(q.split([6, 4], 2), k.split([6, 4], 2), v.float().split([6, 4], 2))], 2).transpose(1, 2)
+    torch.testing.assert_close(o.float(), ref, atol=1e-2, rtol=1e-2)  # only the bf16 output rounding
+    o.float().sum().backward()
+    assert q.grad is not None and v.grad.dtype == torch.bfloat16

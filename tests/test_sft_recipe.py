@@ -105,3 +105,13 @@ def test_existing_run_is_not_overwritten(tmp_path):
     run(tmp_path, "max_steps=2", "save_every=0", "sample_every=0")
     with pytest.raises(UserError, match="resume=true"):
         run(tmp_path, "max_steps=2")
+
+
+def test_sft_bf16_mixed_precision_trains_fp32_weights(tmp_path):
+    _, summary = run(tmp_path, "mixed_precision=bf16", "max_steps=8", "save_every=0", "eval_every=0", "sample_every=0")
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    final = load_file(tmp_path / "run" / "final" / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in final.values())
+    with pytest.raises(Exception, match="mixed_precision"):
+        parse_args(sft.SFTConfig, ["mixed_precision=fp8"])

@@ -63,9 +63,14 @@ def _targets(sample: Tokenized) -> list[int]:
     return [ids[t + 1] if mask[t + 1] else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
 
 
-def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool) -> Batch:
-    """`rows[b]` is the list of samples laid end to end in row b (one sample per row when padding)."""
+def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool, pad_to_multiple_of: int = 1) -> Batch:
+    """`rows[b]` is the list of samples laid end to end in row b (one sample per row when padding).
+
+    The width is the longest row rounded up to `pad_to_multiple_of`: a handful of distinct shapes
+    lets oneDNN reuse its JIT-compiled bf16 (AMX) matmul kernels instead of building new ones for
+    every micro-batch."""
     width = max(sum(len(s) for s in row) for row in rows)
+    width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     ids, pos, tgt, att, lengths = [], [], [], [], []
     real = 0
     for row in rows:

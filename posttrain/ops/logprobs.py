@@ -88,7 +88,9 @@ def chunked_logprobs(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp (N,), entropy (N,) | None) of `targets` under softmax(hidden @ weight.T / temperature)."""
-    return _ChunkedLogProbs.apply(hidden, weight, bias, targets, float(temperature), int(chunk), bool(with_entropy))
+    with torch.autocast(hidden.device.type, enabled=False):  # the head runs in its own dtype, never autocast
+        return _ChunkedLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, float(temperature), int(chunk),
+                                      bool(with_entropy))
 
 
 def reference_logprobs(hidden, weight, targets, bias=None, temperature: float = 1.0):

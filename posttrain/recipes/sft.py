@@ -43,6 +43,8 @@ class SFTConfig(CommonConfig):
     output_dir: str = Field("runs/sft", description="run directory")
     max_steps: int = Field(50, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
+    mixed_precision: str = Field("none", pattern="^(none|bf16)$",
+                                 description="bf16: fp32 weights/optimizer, bf16 matmuls via torch.autocast (lm_head stays fp32) | none")
     max_length: int = Field(1024, ge=8, description="maximum tokens per sample, and per packed row")
     too_long: str = Field("error", pattern="^(error|drop)$", description="a sample over max_length: error (refuse) | drop")
     packing: bool = Field(True, description="pack samples into rows of max_length (attention never crosses samples)")
@@ -60,6 +62,7 @@ class SFTConfig(CommonConfig):
     sample_max_tokens: int = Field(48, ge=1, description="new tokens per generation in samples.jsonl")
     save_every: int = Field(50, ge=0, description="checkpoint every N steps (0: only the final model)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    pad_to_multiple_of: int = Field(64, ge=1, description="round each micro-batch's row width up to this (few shapes: oneDNN reuses its bf16 kernels)")
     logit_chunk: int = Field(1024, ge=1, description="rows of lm_head computed at once")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     progress: bool = Field(True, description="show a progress bar")
@@ -94,8 +97,8 @@ def make_units(samples: list[Tokenized], cfg: SFTConfig) -> list[list[Tokenized]
     return [[samples[i] for i in g] for g in groups]
 
 
-def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: bool) -> list[Batch]:
-    return [collate(units[i : i + size], pad_id, packed) for i in range(0, len(units), size)]
+def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: bool, multiple: int = 1) -> list[Batch]:
+    return [collate(units[i : i + size], pad_id, packed, multiple) for i in range(0, len(units), size)]
 
 
 def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], list[dict]]:
@@ -126,7 +129,7 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig) -> fl
     model.eval()
     total, count = 0.0, 0
     for b in micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False):
-        logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk)
+        logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk, mixed_precision=cfg.mixed_precision)
         total += -logp.sum().item()
         count += logp.numel()
     model.train()
@@ -154,7 +157,7 @@ def write_samples(model, tok, convs: list[list[dict]], step: int, path: Path, ma
 # ---------------------------------------------------------------- training
 
 
-def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024) -> torch.Tensor:
+def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_precision: str = "none") -> torch.Tensor:
     """Backward of −Σ log p / N over all micro-batches, N = loss tokens of the whole step.
 
     Dividing by the step's token count (not each micro-batch's) makes accumulation over any split
@@ -163,7 +166,7 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024) -> torc
     n_loss = sum(b.num_loss_tokens for b in batches)
     total = torch.zeros(())
     for b in batches:
-        logp, _ = token_logprobs(model, b, chunk=chunk)
+        logp, _ = token_logprobs(model, b, chunk=chunk, mixed_precision=mixed_precision)
         loss = -logp.sum() / n_loss
         loss.backward()
         total += loss.detach()
@@ -214,11 +217,11 @@ def train(cfg: SFTConfig) -> dict:
         # 1. data
         with timer("data"):
             step_units = [units[i] for i in sampler.take(cfg.batch_size)]
-            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing)
+            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of)
             n_loss = sum(b.num_loss_tokens for b in batches)
         # 2-3. forward + loss, normalised over the whole step
         with timer("forward_backward"):
-            loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk)
+            loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
         # 4. update
         with timer("update"):
             max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")

@@ -124,3 +124,15 @@ def test_varlen_attention_runs_fp32_under_cpu_autocast(tiny_tok):
     torch.testing.assert_close(o.float(), ref, atol=1e-2, rtol=1e-2)  # only the bf16 output rounding
     o.float().sum().backward()
     assert q.grad is not None and v.grad.dtype == torch.bfloat16
+
+
+def test_bucket_plan_covers_every_token_once_and_bounds_padding():
+    from posttrain.ops.attention import _plan
+
+    lengths = (5, 100, 3, 80, 77, 1, 64, 30)
+    buckets, inverse = _plan(lengths)
+    kept = torch.cat([idx.view(n, Lb).reshape(-1)[keep] for idx, n, Lb, keep in buckets])
+    assert torch.equal(kept[inverse], torch.arange(sum(lengths)))  # each token exactly once, back in order
+    for idx, n, Lb, keep in buckets:
+        assert keep.numel() >= n * Lb * 0.75 ** 2 * 0.5  # padding bounded (ratio 0.75 per segment)
+    assert len(buckets) < len(lengths)

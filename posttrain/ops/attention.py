@@ -2,7 +2,9 @@
 
 A packed row of T tokens holding samples of lengths L_1..L_k needs Σ L_i² / 2 attention scores, but
 SDPA with a block-diagonal mask computes all T² and masks most of them (and cannot use the causal
-fast path). Here each segment [s, e) runs its own causal SDPA. Segments come from position ids
+fast path). Here the segments of all rows are gathered (one index_select per bucket of similar
+lengths) into a padded batch and run through one causal SDPA per bucket, then scattered back: a few
+calls per layer instead of one per sample, and no cross-sample scores. Segments come from position ids
 (a new segment wherever position 0 appears), which is exactly how our collate lays out both packed
 and right-padded rows, so the result equals the masked computation (tested).
 
@@ -12,6 +14,8 @@ other call (generation with a KV cache, left-padded batches) falls through to th
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +45,8 @@ def segments_from_positions(position_ids: torch.Tensor, row_tokens: list[int] | 
 def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, segments=None, **kwargs):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D) -> (B, T, Hq, D), None (the transformers contract).
 
-    Rows are taken apart with unbind/split (whose backward is one stack/cat), not by slicing, which
-    would allocate a full-size zero gradient per slice.
+    Tokens move with index_select (backward: one index_add per bucket), never by slicing, whose
+    backward would allocate a full-size zero gradient per slice.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -63,14 +67,48 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 
     if all(len(segs) == 1 for segs in segments):  # one sample per row (padded batches): plain causal SDPA
         return attend(query, key, value).transpose(1, 2).contiguous().to(out_dtype), None
-    rows = []
-    for q, k, v, segs in zip(query.unbind(0), key.unbind(0), value.unbind(0), segments):
-        if len(segs) == 1:
-            rows.append(attend(q[None], k[None], v[None])[0])
-            continue
-        parts = zip(q.split(segs, dim=1), k.split(segs, dim=1), v.split(segs, dim=1))
-        rows.append(torch.cat([attend(a[None], b[None], c[None])[0] for a, b, c in parts], dim=1))  # (Hq, T, D)
-    return torch.stack(rows).transpose(1, 2).contiguous().to(out_dtype), None
+    B, Hq, T, D = query.shape
+    flat = [x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value)]  # token-major (B*T, H, D)
+    buckets, inverse = _plan(tuple(L for segs in segments for L in segs))
+    outs = []
+    for idx, n, Lb, keep in buckets:
+        q, k, v = (x.index_select(0, idx).view(n, Lb, x.shape[1], D).transpose(1, 2) for x in flat)
+        o = attend(q, k, v).transpose(1, 2).reshape(n * Lb, Hq, D)
+        outs.append(o.index_select(0, keep))  # drop the padding rows
+    out = torch.cat(outs).index_select(0, inverse)  # back to token order (B*T, Hq, D)
+    return out.view(B, T, Hq, D).to(out_dtype), None
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(lengths: tuple[int, ...], ratio: float = 0.75):
+    """Group the segments of all rows (lengths in token order; they tile B*T) into padded batches.
+
+    Longest first; a bucket takes segments down to `ratio` x its longest, so a segment's padded
+    attention work stays within 1/ratio^2 of its real work. Per bucket: idx (n*Lb,) the token behind
+    each padded position (padding repeats the segment's last token: it sits after every real query
+    of the segment, so causal attention never shows it to a real query, and its own outputs are
+    dropped), n, Lb, keep (m,) the rows of the (n*Lb) output that are real. `inverse` puts the
+    concatenated kept rows back in token order. Cached: every layer of a forward asks for the same plan.
+    """
+    starts = [0]
+    for L in lengths[:-1]:
+        starts.append(starts[-1] + L)
+    by_len = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    buckets, dest = [], []
+    i = 0
+    while i < len(by_len):
+        Lb = lengths[by_len[i]]
+        j = i
+        while j < len(by_len) and lengths[by_len[j]] >= ratio * Lb:
+            j += 1
+        members = by_len[i:j]
+        ar = torch.arange(Lb)
+        idx = torch.cat([starts[m] + ar.clamp(max=lengths[m] - 1) for m in members])
+        keep = torch.cat([ar[: lengths[m]] + r * Lb for r, m in enumerate(members)])
+        dest += [starts[m] + t for m in members for t in range(lengths[m])]
+        buckets.append((idx, len(members), Lb, keep))
+        i = j
+    return buckets, torch.argsort(torch.tensor(dest))
 
 
 _installed = False

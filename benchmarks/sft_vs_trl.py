@@ -109,8 +109,8 @@ def raw_rate(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=1, help="untimed first steps")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (oneDNN builds its bf16 kernels on first use)")
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch", type=int, default=4, help="packed rows per optimizer step")
     p.add_argument("--micro", type=int, default=2, help="packed rows per forward/backward")

@@ -20,13 +20,14 @@ def test_matches_full_softmax_and_gradcheck(temperature, chunk):
     assert torch.autograd.gradcheck(lambda a, c, d: chunked_logprobs(a, c, y, d, temperature=temperature, chunk=chunk)[0], (hid, w, b))
 
 
-def test_fp32_gradients_match_autograd():
+@pytest.mark.parametrize("chunk", [8, 64])  # recompute per chunk | keep the forward's softmax (one chunk)
+def test_fp32_gradients_match_autograd(chunk):
     torch.manual_seed(1)
     hid = torch.randn(50, 16, requires_grad=True)
     w = torch.randn(100, 16, requires_grad=True)
     y = torch.randint(0, 100, (50,))
     weights = torch.rand(50)
-    (chunked_logprobs(hid, w, y, chunk=8)[0] * weights).sum().backward()
+    (chunked_logprobs(hid, w, y, chunk=chunk)[0] * weights).sum().backward()
     g1 = hid.grad.clone(), w.grad.clone()
     hid.grad = w.grad = None
     (reference_logprobs(hid, w, y) * weights).sum().backward()

@@ -3,7 +3,8 @@
     logp[i] = h_i·w_{y_i} / T − logsumexp_v(h_i·w_v / T)
 
 The forward runs over chunks of rows and keeps only the log-normaliser per row (N floats); the
-backward recomputes each chunk's logits and applies
+backward recomputes each chunk's logits (when all rows fit in one chunk, the forward's softmax is
+kept instead: one (N x V) buffer, no second lm_head matmul) and applies
     ∂logp_i/∂z_iv = (1[v = y_i] − softmax(z_i)_v) / T
 so peak memory is one chunk of logits, not N × V (for SmolLM2, 4096 tokens × 49152 × 4 B = 805 MB).
 Entropy of the full distribution is returned as a detached metric on request.
@@ -12,6 +13,9 @@ Entropy of the full distribution is returned as a detached metric on request.
 from __future__ import annotations
 
 import torch
+
+
+KEEP_MAX = 2**25  # elements (128 MB in fp32) of softmax the forward may hand to the backward
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -23,15 +27,22 @@ class _ChunkedLogProbs(torch.autograd.Function):
         logp = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc) if want_entropy else None
+        # one chunk of at most KEEP_MAX elements: keep its softmax for backward instead of recomputing the logits
+        keep = n <= chunk and n * weight.shape[0] <= KEEP_MAX
+        probs = None
         for s in range(0, n, chunk):
             z = _logits(hidden[s : s + chunk], weight, bias, temperature)  # (c, V) fp32
             norm = torch.logsumexp(z, dim=-1)
             lse[s : s + chunk] = norm
             logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - norm
-            if want_entropy:
+            if want_entropy or keep:
                 p = torch.exp(z - norm[:, None])
-                entropy[s : s + chunk] = norm - (p * z).sum(-1)  # H = lse − Σ p z
+                if want_entropy:
+                    entropy[s : s + chunk] = norm - (p * z).sum(-1)  # H = lse − Σ p z
+                if keep:
+                    probs = p
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.probs = probs  # (n, V) softmax when n <= chunk, else None (backward recomputes per chunk)
         ctx.temperature, ctx.chunk = temperature, chunk
         if want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -49,9 +60,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             g = grad_logp[s : s + chunk].to(acc)
-            z = _logits(h, weight, bias, t)
+            if ctx.probs is not None:  # the forward's softmax (a single chunk), used once and freed
+                dz, ctx.probs = ctx.probs.mul_(-g[:, None]), None
+            else:
+                z = _logits(h, weight, bias, t)
+                dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])
             # dL/dz = g * (onehot − softmax) / T
-            dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])
             dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
             dz.div_(t)
             if need_h:

@@ -33,7 +33,7 @@ class GenerateConfig(Config):
     stop_strings: list[str] = Field(default_factory=list, description="text stops, e.g. ['</answer>']")
     ignore_eos: bool = Field(False, description="do not stop at the end-of-sequence token")
     seed: int = Field(0, description="sampling seed; prompt i uses seed + i")
-    dtype: str = Field("float32", description="model dtype: float32 (CPU) or bfloat16 (GPU)")
+    dtype: str = Field("float32", description="model dtype: float32 | bfloat16 (GPU, or CPUs with AMX: ~2x faster decode here)")
     device: str = Field("cpu", description="cpu or cuda")
     max_num_seqs: int = Field(64, ge=1, description="builtin: sequences decoded together")
     max_model_len: int = Field(2048, ge=2, description="prompt + completion tokens per sequence")

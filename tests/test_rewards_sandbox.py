@@ -40,7 +40,9 @@ HOSTILE = {
     "ignore_sigterm": "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ndef add(a, b):\n    while True: pass",
     "read_env_secret": f"import os\nassert os.environ.get('POSTTRAIN_TEST_SECRET') == {SECRET!r}\ndef add(a, b): return a + b",
     "kill_parent": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef add(a, b): return 7",
-    "read_tests": "import glob\nsrc = ''.join(open(p).read() for p in glob.glob('/tmp/**/test_*.py', recursive=True))\nassert 'add(1, 2)' in src\ndef add(a, b): return a + b",
+    # looks for the harness's test file under /tmp (skipping this very module, which a checkout under /tmp holds)
+    "read_tests": ("import glob\nsrc = ''.join(t for t in (open(p).read() for p in glob.glob('/tmp/**/test_*.py', recursive=True))"
+                   " if 'HOSTILE' not in t)\nassert 'add(1, 2)' in src\ndef add(a, b): return a + b"),
     "frame_walk_for_token": ("import sys\n"
                              "f = sys._getframe()\n"
                              "while f is not None:\n"

@@ -89,8 +89,10 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
     if w.device.type != "cpu" or not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-    except (AttributeError, RuntimeError):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        torch.ops.mkldnn._linear_pointwise(w.new_zeros(1, w.shape[1]), packed, None, "none", [], "")  # usable here?
+        return packed
+    except (AttributeError, RuntimeError, NotImplementedError):
         return None
 
 

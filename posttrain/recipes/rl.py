@@ -64,6 +64,9 @@ class RLConfig(CommonConfig):
     output_dir: str = Field("runs/rl", description="run directory")
     max_steps: int = Field(20, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="training dtype")
+    mixed_precision: str = Field("none", pattern="^(none|bf16)$",
+                                 description="bf16: the update's backbone matmuls in bf16 (autocast; the engine samples with the "
+                                             "weights' dtype, so consistency/* then measures a real train-inference gap) | none")
     prompts_per_step: int = Field(8, ge=1, description="prompts per step (B)")
     group_size: int = Field(8, ge=2, description="samples per prompt (G)")
     max_new_tokens: int = Field(128, ge=1, description="generation limit per sample")
@@ -149,7 +152,7 @@ def make_batches(rollouts: list[Rollout], pad_id: int, size: int):
 def token_logps(model, batch, cfg: RLConfig, with_entropy: bool = False):
     """log π(a_t|s_t) under the sampling distribution (temperature, top-k/top-p) -> (B, T) tensors."""
     sel = batch.targets != IGNORE  # (B, T)
-    h = hidden_states(model, batch)[sel]  # (M, H)
+    h = hidden_states(model, batch, cfg.mixed_precision)[sel]  # (M, H); fp32 under mixed precision
     _, head = backbone_and_head(model)
     if cfg.top_k or cfg.top_p < 1:  # truncated distribution: needs full logits at the selected rows
         logits = h @ head.weight.t() + (head.bias if head.bias is not None else 0)

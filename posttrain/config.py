@@ -36,6 +36,8 @@ class CommonConfig(Config):
     max_steps: int = Field(100, ge=0, description="optimizer steps to run")
     seed: int = Field(0, description="seed for data order, initialisation and sampling")
     resume: bool = Field(False, description="continue from the newest checkpoint in output_dir/checkpoints")
+    mixed_precision: str = Field("none", pattern="^(none|bf16)$",
+                                 description="bf16: fp32 weights/grads/optimizer, backbone matmuls in bf16 via torch.autocast (lm_head stays fp32) | none")
 
 
 # ---------------------------------------------------------------- keys, help, suggestions

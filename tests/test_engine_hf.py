@@ -205,7 +205,7 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
     assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
     lin = packed.runner.gate_up[0]
-    w = lin.packed
+    w = lin.w
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with torch.enable_grad():
         model(torch.tensor([PROMPTS[1]])).logits.float().pow(2).mean().backward()
@@ -213,7 +213,7 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     packed.add_request(Request(PROMPTS[2], greedy))
     packed.step()
-    assert lin.packed is not w  # rebuilt from the new weights
+    assert lin.w is not w  # rebuilt from the new weights
     m = model.model.layers[0].mlp
     x = torch.randn(3, m.gate_proj.weight.shape[1])
     with torch.no_grad():

@@ -69,7 +69,7 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return attend(query, key, value).transpose(1, 2).contiguous().to(out_dtype), None
     B, Hq, T, D = query.shape
     flat = [x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value)]  # token-major (B*T, H, D)
-    buckets, inverse = _plan(tuple(L for segs in segments for L in segs))
+    buckets, inverse = _plan(tuple(L for segs in segments for L in segs), query.device)
     outs = []
     for idx, n, Lb, keep in buckets:
         q, k, v = (x.index_select(0, idx).view(n, Lb, x.shape[1], D).transpose(1, 2) for x in flat)
@@ -80,7 +80,7 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(lengths: tuple[int, ...], ratio: float = 0.75):
+def _plan(lengths: tuple[int, ...], device: torch.device = torch.device("cpu"), ratio: float = 0.75):
     """Group the segments of all rows (lengths in token order; they tile B*T) into padded batches.
 
     Longest first; a bucket takes segments down to `ratio` x its longest, so a segment's padded
@@ -106,9 +106,9 @@ def _plan(lengths: tuple[int, ...], ratio: float = 0.75):
         idx = torch.cat([starts[m] + ar.clamp(max=lengths[m] - 1) for m in members])
         keep = torch.cat([ar[: lengths[m]] + r * Lb for r, m in enumerate(members)])
         dest += [starts[m] + t for m in members for t in range(lengths[m])]
-        buckets.append((idx, len(members), Lb, keep))
+        buckets.append((idx.to(device), len(members), Lb, keep.to(device)))
         i = j
-    return buckets, torch.argsort(torch.tensor(dest))
+    return buckets, torch.argsort(torch.tensor(dest)).to(device)
 
 
 _installed = False

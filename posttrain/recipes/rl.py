@@ -64,9 +64,6 @@ class RLConfig(CommonConfig):
     output_dir: str = Field("runs/rl", description="run directory")
     max_steps: int = Field(20, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="training dtype")
-    mixed_precision: str = Field("none", pattern="^(none|bf16)$",
-                                 description="bf16: the update's backbone matmuls in bf16 (autocast; the engine samples with the "
-                                             "weights' dtype, so consistency/* then measures a real train-inference gap) | none")
     prompts_per_step: int = Field(8, ge=1, description="prompts per step (B)")
     group_size: int = Field(8, ge=2, description="samples per prompt (G)")
     max_new_tokens: int = Field(128, ge=1, description="generation limit per sample")

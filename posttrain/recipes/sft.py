@@ -43,8 +43,6 @@ class SFTConfig(CommonConfig):
     output_dir: str = Field("runs/sft", description="run directory")
     max_steps: int = Field(50, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
-    mixed_precision: str = Field("none", pattern="^(none|bf16)$",
-                                 description="bf16: fp32 weights/optimizer, bf16 matmuls via torch.autocast (lm_head stays fp32) | none")
     max_length: int = Field(1024, ge=8, description="maximum tokens per sample, and per packed row")
     too_long: str = Field("error", pattern="^(error|drop)$", description="a sample over max_length: error (refuse) | drop")
     packing: bool = Field(True, description="pack samples into rows of max_length (attention never crosses samples)")

@@ -56,7 +56,8 @@ class _Linear:
 
     def __init__(self, mods, pack: bool, batch_hint: int = 64):
         self.mods, self.pack, self.batch_hint = mods, pack, batch_hint
-        self.w = self.onednn = self.b = None
+        self.w = self.b = None  # the packed copy: oneDNN blocked (self.onednn) or W^T
+        self.onednn = False
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -67,17 +68,13 @@ class _Linear:
         bs = [getattr(m, "bias", None) for m in self.mods]
         self.b = None if all(b is None for b in bs) else torch.cat(
             [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
-        self.onednn = _onednn_pack(w, self.batch_hint)
-        self.w = None if self.onednn is not None else w.t().contiguous()
-
-    @property
-    def packed(self):
-        """The packed copy in use (oneDNN blocked or W^T), None when unpacked."""
-        return self.onednn if self.onednn is not None else self.w
+        blocked = _onednn_pack(w, self.batch_hint)
+        self.onednn = blocked is not None
+        self.w = blocked if self.onednn else w.t().contiguous()
 
     def __call__(self, x):
-        if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.b, "none", [], "")
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.w, self.b, "none", [], "")
         if self.pack:
             return x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
         out = [F.linear(x, m.weight, getattr(m, "bias", None)) for m in self.mods]
@@ -114,7 +111,7 @@ class Runner:
         self.model = model
         self.layers = model.model.layers
         self.norm, self.embed = model.model.norm, model.model.embed_tokens
-        hint = max(slot_kv_seqs, 1) if slot_kv_seqs else 64  # decode batch size: the shape that matters
+        hint = slot_kv_seqs or 64  # decode batch size: the shape that matters
 
         def lin(mods):
             return _Linear(mods, pack_weights, hint)

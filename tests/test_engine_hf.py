@@ -242,3 +242,37 @@ def test_slot_kv_equals_paged_gather_with_preemption_and_slot_reuse(model):
         for a, b in zip(ref, got):
             assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples], key
             assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+
+
+def test_group_kv_equals_per_sequence_slots_with_early_stops(model):
+    """Group KV (each group's prompt once, samples interleaved; width = n) == one slot per sequence,
+    with samples of a group stopping at different steps (stop ids on frequent tokens) and preemption."""
+    stops = list(range(0, 1000, 31))  # ~1/31 of the tiny vocab: samples stop at scattered steps
+    reqs = [Request(p, SamplingParams(n=4, temperature=1.0, max_new_tokens=40, stop_token_ids=stops, seed=i))
+            for i, p in enumerate(PROMPTS)]
+    outs, widths = {}, {}
+    for group_kv in (True, False):
+        for kv_mb in (8, 0.06):  # 0.06 MiB (120 tokens) forces preemption
+            eng = engine(model, group_kv=group_kv, kv_cache_mb=kv_mb, max_model_len=80)
+            outs[group_kv, kv_mb] = eng.generate(reqs)
+            widths[group_kv, kv_mb] = eng.scheduler.width
+            assert (eng.stats.preemptions > 0) == (kv_mb < 1)
+    assert widths == {(True, 8): 4, (True, 0.06): 4, (False, 8): 1, (False, 0.06): 1}
+    lens = {len(s.token_ids) for o in outs[True, 8] for s in o.samples}
+    assert len(lens) > 3  # samples of one group finished at different steps
+    ref = outs[False, 8]
+    for key, got in outs.items():
+        for a, b in zip(ref, got):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples], key
+            assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+
+
+def test_group_width_policy(model):
+    eng = engine(model, max_num_seqs=8)
+    same = SamplingParams(n=4, max_new_tokens=2, ignore_eos=True)
+    eng.generate([Request(PROMPTS[0], same), Request(PROMPTS[1], same)])
+    assert eng.scheduler.width == 4  # 2 x 4 samples run at once: slots per group
+    eng.generate([Request(p, same) for p in PROMPTS])
+    assert eng.scheduler.width == 1  # 16 samples > 8 slots: per-sequence slots, refilled as each finishes
+    eng.generate([Request(PROMPTS[0], same), Request(PROMPTS[1], SamplingParams(n=2, max_new_tokens=2))])
+    assert eng.scheduler.width == 1  # mixed n

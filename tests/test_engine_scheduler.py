@@ -85,13 +85,13 @@ def test_admission_limited_by_slots_and_refill():
     b = s.schedule()
     assert b.kind == "prefill" and len(b.groups) == 2  # 2 groups x 2 samples fill 4 slots
     for g in b.groups:
-        seqs, copies = s.start(g)
+        seqs, copies, _ = s.start(g)
         assert len(seqs) == 2 and len(copies) == 1  # 5 tokens: partial last block copied for the fork
     assert len(s.running) == 4 and len(s.waiting) == 1
     assert s.schedule().kind == "decode"  # no slot for the third group
     first = s.running[0]
     s.finish(first)
-    assert first.status is Status.FINISHED and len(s.free_slots) == 1
+    assert first.status is Status.FINISHED and len(s.free_groups) == 1
     assert s.schedule().kind == "decode"  # needs 2 slots, only 1 free
     s.finish(s.running[0])
     b = s.schedule()
@@ -116,7 +116,7 @@ def test_prefix_sharing_across_requests():
     s = Scheduler(bm, max_num_seqs=8, max_prefill_tokens=1000)
     s.add(group(list(range(12)), n=1))
     b = s.schedule()
-    (seq,), _ = s.start(b.groups[0])
+    (seq,), *_ = s.start(b.groups[0])
     seq.token_ids = list(range(12)) + [50]
     s.finish(seq)
     s.add(group(list(range(12)) + [50, 51, 52], n=1))  # next turn of the conversation
@@ -128,7 +128,7 @@ def test_block_growth_timer_and_free():
     bm = BlockManager(64, 4)
     s = Scheduler(bm, max_num_seqs=4, max_prefill_tokens=1000)
     s.add(group([1, 2, 3], n=1))
-    seq, _ = s.start(s.schedule().groups[0])
+    seq, *_ = s.start(s.schedule().groups[0])
     seq = seq[0]
     assert len(seq.block_table) == 1  # 3 tokens computed; the sampled 4th goes to position 3
     got = []
@@ -150,8 +150,8 @@ def test_preemption_when_out_of_blocks_and_resume():
     s.add(group([3, 4], n=1))
     b = s.schedule()
     assert len(b.groups) == 2  # 1 block each (+ 1 growth block of headroom for the second)
-    (a,), _ = s.start(b.groups[0])
-    (c,), _ = s.start(b.groups[1])
+    (a,), *_ = s.start(b.groups[0])
+    (c,), *_ = s.start(b.groups[1])
     bs = run_decode(s, 3)
     preempted = [x for b in bs for x in b.preempted]
     assert preempted == [c]  # the most recently admitted sequence gives way
@@ -174,3 +174,43 @@ def test_group_larger_than_slots_refused():
     s = Scheduler(BlockManager(8, 2), max_num_seqs=2, max_prefill_tokens=100)
     with pytest.raises(ValueError):
         s.add(group([1, 2], n=3))
+
+
+def test_group_slots_width():
+    """width 4: a group of up to 4 samples takes one group slot (4 consecutive slots); it is free again
+    only when all its samples have left; a bigger group takes several."""
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_prefill_tokens=1000)
+    s.set_width(4)
+    s.add(group([1] * 5, n=3))
+    s.add(group([2] * 5, n=4))
+    s.add(group([3] * 5, n=1))
+    b = s.schedule()
+    assert len(b.groups) == 2  # 2 group slots; the third group waits
+    a, _, ga = s.start(b.groups[0])
+    c, _, gc = s.start(b.groups[1])
+    assert ga == [0] and gc == [1]
+    assert [x.slot for x in a] == [0, 1, 2] and [x.slot for x in c] == [4, 5, 6, 7]
+    s.finish(a[0])
+    s.finish(a[1])
+    assert s.schedule().kind == "decode"  # group slot 0 still holds a[2]
+    s.finish(a[2])
+    b = s.schedule()
+    assert b.kind == "prefill" and b.groups[0].parent.token_ids == [3] * 5
+    (d,), _, gd = s.start(b.groups[0])
+    assert gd == [0] and d.slot == 0
+    with pytest.raises(RuntimeError):
+        s.set_width(2)  # not while running
+
+
+def test_group_larger_than_width_takes_several_group_slots():
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_prefill_tokens=1000)
+    s.set_width(2)
+    s.add(group([1] * 3, n=5))
+    seqs, _, gs = s.start(s.schedule().groups[0])
+    assert gs == [0, 1, 2] and [x.slot for x in seqs] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        s.add(group([1] * 3, n=9))
+    s3 = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_prefill_tokens=1000)
+    s3.set_width(3)  # 2 group slots of 3: 6 usable slots
+    with pytest.raises(ValueError):
+        s3.add(group([1] * 3, n=7))

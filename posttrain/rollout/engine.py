@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 
 from posttrain.config import Config
+from posttrain.ops.host_memory import keep_freed_memory
 from posttrain.ops.sampling import counter_uniforms, sample_logits
 from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
@@ -41,7 +42,8 @@ class EngineConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB, allocated once (also capped at 2 x max_num_seqs x max_model_len tokens)")
     max_prefill_tokens: int = Field(4096, ge=1, description="uncached prompt tokens per prefill step (one longer prompt still runs alone)")
     seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
-    slot_kv: bool = Field(True, description="decode attends a per-slot contiguous copy of the running sequences' KV (no per-layer gather of blocks; + max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
+    slot_kv: bool = Field(True, description="decode attends a contiguous copy of the running sequences' KV (no per-layer gather of blocks; + about max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
+    group_kv: bool = Field(True, description="when every request of a generate() call has the same n and all its samples run at once, keep each group's prompt KV once and attend per group (fewer, larger attention tasks); slots are then handed out per group")
     pack_weights: bool = Field(True, description="run from a fused (q|k|v, gate|up), transposed copy of the linear weights (one more copy of them in memory), rebuilt when the weights change; false reads the model's weights at every forward")
 
 
@@ -93,6 +95,8 @@ class Engine:
         if num_blocks < per_seq_blocks:
             raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
         self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights, cfg.max_num_seqs if cfg.slot_kv else 0)
+        if self.runner.device.type == "cpu":
+            keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
         self.default_eos = self._eos_ids()
@@ -166,7 +170,8 @@ class Engine:
             out.error = f"request {out.request_id}: {e}"
             state.remaining = 0
             return state
-        chunk, ids = self.config.max_num_seqs, request.prompt_token_ids
+        W = self.scheduler.width
+        chunk, ids = self.config.max_num_seqs // W * W, request.prompt_token_ids
         for j0 in range(0, p.n, chunk):
             parent = Sequence(list(ids), len(ids), j0, state)
             self.scheduler.add(Group(parent, list(range(j0, min(p.n, j0 + chunk)))))
@@ -175,10 +180,28 @@ class Engine:
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         """Run requests to completion (continuous batching); outputs in request order."""
         self._t0 = time.perf_counter()
+        if not self.scheduler.has_work():
+            self._set_width(self._group_width(requests))
         states = [self.add_request(r, i) for i, r in enumerate(requests)]
         while self.scheduler.has_work():
             self.step()
         return [s.output for s in states]
+
+    def _group_width(self, requests: list[Request]) -> int:
+        """Sequences per group slot for this batch of requests: n when all requests sample the same
+        n > 1 and every sample gets a slot at once (then slots handed out per group cost nothing: no
+        sequence waits for one), else 1 (per-sequence slots, refilled as each sequence finishes)."""
+        cfg = self.config
+        ns = {r.params.n for r in requests}
+        if not (cfg.group_kv and cfg.slot_kv) or len(ns) != 1:
+            return 1
+        n = ns.pop()
+        return n if 1 < n and n * len(requests) <= cfg.max_num_seqs else 1
+
+    def _set_width(self, width: int) -> None:
+        if width != self.scheduler.width:
+            self.scheduler.set_width(width)
+            self.runner.set_width(width)
 
     # ------------------------------------------------------------ the step
     def step(self) -> None:
@@ -203,9 +226,9 @@ class Engine:
         logits = self.runner.prefill([(g.parent.token_ids, g.parent.num_computed, g.parent.block_table) for g in groups])
         seqs, which = [], []
         for gi, g in enumerate(groups):
-            started, copies = self.scheduler.start(g)
+            started, copies, gslots = self.scheduler.start(g)
             self.runner.copy_blocks(copies)
-            self.runner.load_slots([(s.slot, s.block_table, len(s.token_ids)) for s in started])
+            self.runner.load_groups([(gs, g.parent.block_table, len(g.parent.token_ids)) for gs in gslots])
             for s in started:
                 self._join(s)
             seqs += started

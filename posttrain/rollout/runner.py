@@ -7,9 +7,10 @@ RMSNorm in float32 then cast, RoPE cos/sin from the model's own `rotary_emb.inv_
 `attention_scaling` (so rope_scaling types with static frequencies — default, linear, llama3, yarn —
 match), GQA attention with SDPA and scale head_dim**-0.5, SwiGLU MLP.
 
-KV storage: k/v of shape (layers, num_blocks * block_size, kv_heads, head_dim), allocated once.
-Decode attends all running sequences in one batched SDPA call per layer: each sequence's blocks are
-gathered with one `index_select` (B, T, kv_heads, head_dim) and padding is masked.
+KV storage: k/v of shape (layers, num_blocks * block_size, kv_heads, head_dim), allocated once;
+prefill writes and reads it. Decode attends a contiguous group KV (see `_slot_attend`): per group
+slot the shared prompt once and its samples' tokens interleaved. Without it (slot_kv_seqs=0) decode
+gathers each sequence's blocks with one `index_select` per layer and masks the padding.
 """
 
 from __future__ import annotations
@@ -140,33 +141,44 @@ class Runner:
         shape = (len(self.layers), num_blocks * block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # slot KV: a per-slot contiguous copy (layers, slots, kv, T, D) that decode attends without gathering
-        # blocks; T grows (doubling) to the longest running context. Off (0 slots): gather the paged blocks.
+        # group KV (decode attends it without gathering blocks): one contiguous region per group slot of
+        # `width` sequences, (layers, group slots, kv, L, D): the group's prompt once at [0, P), then the
+        # samples' tokens interleaved: position p >= P of sample m at P + (p - P) * width + m. Width 1 is
+        # one region per sequence. L grows (doubling) with the longest group. Off (0 slots): gather blocks.
         self.slot_seqs, self.max_model_len = slot_kv_seqs, max_model_len
         self.k_slot = self.v_slot = None
+        self.set_width(1)
 
-    def _ensure_slot_kv(self, T: int) -> None:
+    def set_width(self, width: int) -> None:
+        """Sequences per group slot (the engine sets it while nothing runs); drops the group KV."""
+        self.width = width
+        self.k_slot = self.v_slot = None
+        self.prompt_len = torch.ones(max(1, self.slot_seqs // width), dtype=torch.long, device=self.device)  # P per group slot
+
+    def _ensure_slot_kv(self, L: int) -> None:
         cap = 0 if self.k_slot is None else self.k_slot.shape[3]
-        if T <= cap:
+        if L <= cap:
             return
-        new_cap = min(self.max_model_len, max(T, 2 * cap, 64))
-        shape = (len(self.layers), self.slot_seqs, self.n_kv, new_cap, self.head_dim)
+        new_cap = min(self.width * self.max_model_len, max(L, 2 * cap, 64))
+        shape = (len(self.layers), self.slot_seqs // self.width, self.n_kv, new_cap, self.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
         if cap:
             k[:, :, :, :cap], v[:, :, :, :cap] = self.k_slot, self.v_slot
         self.k_slot, self.v_slot = k, v
 
     @torch.inference_mode()
-    def load_slots(self, seqs: list[tuple[int, list[int], int]]) -> None:
-        """(slot, block table, tokens) of sequences joining decode: copy their paged KV into their slots."""
-        if not self.slot_seqs or not seqs:
+    def load_groups(self, groups: list[tuple[int, list[int], int]]) -> None:
+        """(group slot, block table, prompt tokens) of groups joining decode: copy the prompt KV from the
+        paged cache into the group slot's region, once per group slot."""
+        if not self.slot_seqs or not groups:
             return
-        self._ensure_slot_kv(max(n for *_, n in seqs) + 1)
+        self._ensure_slot_kv(max(n for *_, n in groups) + self.width)
         bs = self.block_size
-        for slot, table, n in seqs:
+        for gs, table, n in groups:
             idx = torch.tensor([table[j // bs] * bs + j % bs for j in range(n)], device=self.device)
-            self.k_slot[:, slot, :, :n] = self.k_cache[:, idx].transpose(1, 2)
-            self.v_slot[:, slot, :, :n] = self.v_cache[:, idx].transpose(1, 2)
+            self.k_slot[:, gs, :, :n] = self.k_cache[:, idx].transpose(1, 2)
+            self.v_slot[:, gs, :, :n] = self.v_cache[:, idx].transpose(1, 2)
+            self.prompt_len[gs] = n
 
     def refresh_weights(self) -> None:
         """Rebuild the packed weight copies from the model's current weights."""
@@ -275,23 +287,42 @@ class Runner:
         return self.logits(self._forward(tokens, positions, slots, attend))
 
     def _slot_attend(self, positions, slots, rows):
-        """Decode attention over the slot KV of slots 0..max(rows): no gather. The new k/v (just written to
-        the paged cache) are copied into the slots; queries are scattered into slot order (idle slots in
-        the range attend position 0 and are dropped)."""
-        T = int(positions.max()) + 1
-        self._ensure_slot_kv(T)
-        S = int(rows.max()) + 1
+        """Decode attention over the group KV: one SDPA call, one task per (group slot, KV head).
+
+        Queries of a group slot: its `width` sequences x the G query heads of each KV head, (W*G, D);
+        keys: the region's first P + W*(t+1) entries (prompt once + every sample's tokens), with an
+        additive mask that lets sample m see the prompt and its own tokens (p - P)*W + m <= its
+        position. A group of 8 samples thus reads its prompt once instead of 8 times, in 8x fewer,
+        larger tasks (CPU flash attention pays a fixed cost per task). The new k/v are written to the
+        region first; queries go into slot order (idle slots in range see key 0 only, then dropped)."""
+        W, G, kv, D = self.width, self.group, self.n_kv, self.head_dim
+        gs, m = rows // W, rows % W
+        P = self.prompt_len[gs]
+        off = P + (positions - P) * W + m  # (B,) where each new token goes in its group region
+        ngs = int(gs.max()) + 1
+        S = ngs * W
         ident = S == rows.shape[0] and bool((rows == torch.arange(S, device=self.device)).all())  # rows are slots 0..S-1
-        pos_s = positions if ident else torch.zeros(S, dtype=torch.long, device=self.device).index_copy_(0, rows, positions)
-        mask = (torch.arange(T, device=self.device)[None, :] <= pos_s[:, None]).view(S, 1, 1, T)
-        scale = self.head_dim ** -0.5
+        last = torch.full((S,), -1, dtype=torch.long, device=self.device).index_copy_(0, rows, off)  # idle: -1
+        L = int(last.max()) + 1
+        self._ensure_slot_kv(L)
+        # mask (ngs, 1, W*G, L): key o is visible to slot s iff o < P (prompt) or (o - P) % W == s % W and o <= last[s]
+        o = torch.arange(L, device=self.device)
+        P_s = self.prompt_len[:ngs].repeat_interleave(W).unsqueeze(1)  # (S, 1)
+        own = o <= last.unsqueeze(1) if W == 1 else ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
+        vis = (o < P_s) | own
+        vis[:, 0] = True  # idle slots: something finite
+        mask = torch.zeros(S, L, dtype=self.dtype, device=self.device).masked_fill_(~vis, float("-inf"))
+        mask = mask.view(ngs, W, 1, L).expand(ngs, W, G, L).reshape(ngs, 1, W * G, L)
+        scale = D ** -0.5
 
         def attend(i, q, k, v):
-            self.k_slot[i, rows, :, positions] = k
-            self.v_slot[i, rows, :, positions] = v
-            q = q.reshape(-1, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
-            qs = q if ident else q.new_zeros(S, *q.shape[1:]).index_copy_(0, rows, q)
-            o = F.scaled_dot_product_attention(qs, self.k_slot[i, :S, :, :T], self.v_slot[i, :S, :, :T], attn_mask=mask, scale=scale)
-            return (o if ident else o[rows]).reshape(rows.shape[0], -1)
+            self.k_slot[i, gs, :, off] = k
+            self.v_slot[i, gs, :, off] = v
+            q = q.reshape(-1, kv, G, D)
+            qs = q if ident else q.new_zeros(S, kv, G, D).index_copy_(0, rows, q)
+            qs = qs.view(ngs, W, kv, G, D).transpose(1, 2).reshape(ngs, kv, W * G, D)
+            o_ = F.scaled_dot_product_attention(qs, self.k_slot[i, :ngs, :, :L], self.v_slot[i, :ngs, :, :L], attn_mask=mask, scale=scale)
+            o_ = o_.view(ngs, kv, W, G, D).transpose(1, 2).reshape(S, -1)
+            return o_ if ident else o_[rows]
 
         return attend

@@ -10,6 +10,12 @@ decode step wakes exactly the sequences that need a new block (once per block_si
 When no block is free, the most recently admitted sequence is preempted (its blocks freed, it goes
 back to the front of the queue and is recomputed later; its sampling is counter-based, so it draws
 the same tokens again).
+
+Slots come in group slots of `width` consecutive slots (`set_width`, only while idle). A group of n
+samples takes ceil(n / width) group slots and its sample j runs in slot `group_slots[j // width] *
+width + j % width`; a group slot is free again when all its samples have left. The runner keeps one
+KV region per group slot (the prompt once, then the samples' tokens interleaved), so width > 1 lets
+decode attention read a shared prompt once per group; width 1 gives every sequence its own slot.
 """
 
 from __future__ import annotations
@@ -36,13 +42,27 @@ class Scheduler:
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.waiting: deque[Group] = deque()
         self.running: list[Sequence] = []  # admission order; the last is preempted first
-        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.step = 0  # decode steps scheduled so far
         self.timers: dict[int, list[tuple[Sequence, int]]] = defaultdict(list)
+        self.set_width(1)
+
+    def set_width(self, width: int) -> None:
+        """Group slots of `width` slots each (max_num_seqs // width of them); only while nothing runs."""
+        if self.running:
+            raise RuntimeError("set_width while sequences are running")
+        if not 1 <= width <= self.max_num_seqs:
+            raise ValueError(f"width {width} not in [1, max_num_seqs={self.max_num_seqs}]")
+        self.width = width
+        n = self.max_num_seqs // width
+        self.free_groups: list[int] = list(range(n - 1, -1, -1))  # pop() gives the lowest
+        self.live = [0] * n  # running samples per group slot
+
+    def group_slots_needed(self, size: int) -> int:
+        return -(-size // self.width)
 
     def add(self, group: Group) -> None:
-        if group.size > self.max_num_seqs:
-            raise ValueError(f"group of {group.size} samples > max_num_seqs {self.max_num_seqs}")
+        if self.group_slots_needed(group.size) > len(self.live):
+            raise ValueError(f"group of {group.size} samples > {len(self.live) * self.width} slots (max_num_seqs {self.max_num_seqs}, width {self.width})")
         self.waiting.append(group)
 
     def has_work(self) -> bool:
@@ -51,12 +71,13 @@ class Scheduler:
     # ------------------------------------------------------------ scheduling
     def schedule(self) -> Batch:
         batch = Batch("prefill")
-        slots, budget, reserved = len(self.free_slots), self.max_prefill_tokens, 0
+        slots, budget, reserved = len(self.free_groups), self.max_prefill_tokens, 0
         bs = self.blocks.block_size
         while self.waiting:
             g = self.waiting[0]
             toks = g.parent.token_ids
-            if g.size > slots:
+            need = self.group_slots_needed(g.size)
+            if need > slots:
                 break
             new_tokens = len(toks) - len(self.blocks.lookup(toks)) * bs
             if batch.groups and new_tokens > budget:
@@ -71,7 +92,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             g.parent.block_table, g.parent.num_computed = self.blocks.allocate(toks)
-            slots -= g.size
+            slots -= need
             budget -= new_tokens
             reserved += copies
             batch.groups.append(g)
@@ -96,9 +117,10 @@ class Scheduler:
         return batch
 
     # ------------------------------------------------------------ transitions
-    def start(self, group: Group) -> tuple[list[Sequence], list[tuple[int, int]]]:
+    def start(self, group: Group) -> tuple[list[Sequence], list[tuple[int, int]], list[int]]:
         """After the group's prefill: fork its samples, give them slots, start their block timers.
-        Returns (sequences, block copies (src, dst) the runner must do before the next decode)."""
+        Returns (sequences, block copies (src, dst) the runner must do before the next decode,
+        the group slots taken)."""
         parent = group.parent
         L = len(parent.token_ids)
         parent.num_computed = L
@@ -110,12 +132,15 @@ class Scheduler:
             seqs.append(child)
             if copy is not None:
                 copies.append(copy)
-        for s in seqs:
-            s.status, s.slot = Status.RUNNING, self.free_slots.pop()
+        W = self.width
+        gslots = [self.free_groups.pop() for _ in range(self.group_slots_needed(len(seqs)))]
+        for j, s in enumerate(seqs):
+            s.status, s.slot = Status.RUNNING, gslots[j // W] * W + j % W
+            self.live[gslots[j // W]] += 1
             s.join_step, s.join_computed = self.step, L
             self._arm(s)
         self.running.extend(seqs)
-        return seqs, copies
+        return seqs, copies, gslots
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished sequence (its token_ids synced first): cache its full blocks, free them."""
@@ -127,7 +152,10 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_table(seq.block_table)
         seq.block_table = []
-        self.free_slots.append(seq.slot)
+        gs = seq.slot // self.width
+        self.live[gs] -= 1
+        if self.live[gs] == 0:
+            self.free_groups.append(gs)
         seq.epoch += 1
 
     def _preempt(self, seq: Sequence) -> None:

@@ -97,7 +97,7 @@ def main() -> None:
     params = SamplingParams(n=args.samples, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
 
     def run_engine():
-        engine.reset_prefix_cache()  # every repeat prefills its prompts again
+        engine.reset_prefix_cache()  # every repeat prefills its prompts again (weights unchanged: no repacking)
         outs = engine.generate([Request(p, params) for p in prompts])
         got = sum(len(s.token_ids) for o in outs for s in o.samples)
         assert got == n_tokens, got

@@ -221,10 +221,10 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     while packed.scheduler.has_work():
         packed.step()
     assert packed.generate([Request(PROMPTS[2], greedy)])[0].samples[0].token_ids == hf_greedy(model, PROMPTS[2], 12)
-    with torch.no_grad():  # .data writes bypass version counters: reset_prefix_cache() rebuilds
+    with torch.no_grad():  # .data writes bypass version counters: sync_weights() rebuilds
         for p in model.parameters():
             p.data.mul_(1.5)
-    packed.reset_prefix_cache()
+    packed.sync_weights()
     assert packed.generate([Request(PROMPTS[2], greedy)])[0].samples[0].token_ids == hf_greedy(model, PROMPTS[2], 12)
 
 

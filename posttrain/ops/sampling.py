@@ -81,8 +81,9 @@ def sample(logprobs: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) ->
     return _inverse_cdf(logprobs.float().exp(), uniforms, chunks)
 
 
-def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) -> torch.Tensor:
-    """`sample` on non-negative weights `p` (N, V) that need not be normalised."""
+def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256, with_total: bool = False):
+    """`sample` on non-negative weights `p` (N, V) that need not be normalised; with_total: also
+    return the weights' row sums (N,) float64 (from the chunk sums, no extra pass)."""
     N, V = p.shape
     W = -(-V // chunks)
     if W * chunks != V:
@@ -97,7 +98,8 @@ def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256) -> 
     j = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # (N,)
     last_pos = (W - 1) - (inner > 0).flip(-1).int().argmax(-1)  # last positive token of the chunk
     j = torch.minimum(j, last_pos)
-    return c.squeeze(-1) * W + j
+    tok = c.squeeze(-1) * W + j
+    return (tok, csum[:, -1]) if with_total else tok
 
 
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -108,7 +110,8 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     chosen per row from the row's own parameters (so a row's draw never depends on its neighbours):
     greedy rows (T == 0) take the argmax (log-prob 0); plain rows (T > 0, no top-k, top_p >= 1) skip
     the sorts and the full log_softmax: one exp(z - max) pass gives the (unnormalised) weights the
-    inverse CDF needs, and the token's log-prob is z_tok - max - log(sum). Other rows go through
+    inverse CDF needs, and the token's log-prob is z_tok - max - log(sum) (the sum from the inverse
+    CDF's chunk sums). Other rows go through
     `process_logits` + `sample`. All per-row parameters are (N,) tensors.
     """
     N, V = logits.shape
@@ -120,15 +123,16 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     all_plain = bool(plain.all())
     if all_plain or bool(plain.any()):
         rows = None if all_plain else plain.nonzero().squeeze(1)
-        z = logits.float() if rows is None else logits.float()[rows]
+        x = logits if rows is None else logits[rows]
         t = temperature if rows is None else temperature[rows]
-        if not bool((t == 1).all()):
-            z = z / t.unsqueeze(-1)
-        m = z.amax(-1, keepdim=True)
-        e = (z - m).exp_()
+        if bool((t == 1).all()):  # y = z - max z in float32 (the logits are never modified)
+            y = x - x.amax(-1, keepdim=True).float()
+        else:
+            y = x.float() / t.unsqueeze(-1)
+            y.sub_(y.amax(-1, keepdim=True))
         u = uniforms if rows is None else uniforms[rows]
-        t_ = _inverse_cdf(e, u)
-        l_ = (z.gather(1, t_.unsqueeze(1)) - m).squeeze(1) - e.sum(-1).log()
+        t_, total = _inverse_cdf(y.exp(), u, with_total=True)  # weights exp(z - max), unnormalised
+        l_ = y.gather(1, t_.unsqueeze(1)).squeeze(1) - total.log().float()
         if rows is None:
             return t_, l_
         tok[rows], lp[rows] = t_, l_

@@ -130,22 +130,23 @@ class Engine:
         return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def reset_prefix_cache(self) -> None:
-        """Forget the cached KV and rebuild the packed weights (call after changing weights via `.data`)."""
+        """Forget the cached prompt KV (the weights are unchanged; see `sync_weights` when they are not)."""
+        self.blocks.reset_prefix_cache()
+
+    def sync_weights(self) -> None:
+        """The trainer changed the shared weights (call after every optimizer step, or after writes via `.data`):
+        rebuild the packed weight copies and forget the cached KV.
+
+        Changes are also detected through tensor version counters, but fused optimizers
+        (AdamW(fused=True)) and `.data` writes update parameters without bumping them, so trainers must call this.
+        """
         self.blocks.reset_prefix_cache()
         self.runner.refresh_weights()
         self._weights_version = self._version()
 
-    def sync_weights(self) -> None:
-        """The trainer changed the shared weights (call after every optimizer step).
-
-        Changes are also detected through tensor version counters, but fused optimizers
-        (AdamW(fused=True)) update parameters without bumping them, so trainers must call this.
-        """
-        self.reset_prefix_cache()
-
     def _check_weights(self) -> None:
         if self._version() != self._weights_version:  # weights changed in place: packed copy and cached KV are stale
-            self.reset_prefix_cache()
+            self.sync_weights()
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict) -> None:
@@ -155,7 +156,7 @@ class Engine:
             if name not in params:
                 raise KeyError(f"update_weights: unknown parameter '{name}'")
             params[name].copy_(value)
-        self.reset_prefix_cache()
+        self.sync_weights()
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request, index: int = 0) -> _RequestState:
@@ -328,6 +329,7 @@ class Engine:
 
     def _finish(self, s: Sequence, reason: str, stop) -> None:
         self._sync(s)
+        self.runner.save_decoded(s.slot, s.block_table, s.join_computed, s.computed_at(self.scheduler.step))  # for the prefix cache
         self.scheduler.finish(s)
         self._rows = None
         st: _RequestState = s.request

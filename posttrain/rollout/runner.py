@@ -73,13 +73,18 @@ class _Linear:
         self.onednn = blocked is not None
         self.w = blocked if self.onednn else w.t().contiguous()
 
-    def __call__(self, x):
+    def __call__(self, x, residual=None):
+        """linear(x) (+ residual, fused into the matmul's epilogue where the packed path allows)."""
         if self.onednn:
+            if residual is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, self.w, self.b, "add")
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.w, self.b, "none", [], "")
         if self.pack:
-            return x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
-        out = [F.linear(x, m.weight, getattr(m, "bias", None)) for m in self.mods]
-        return out[0] if len(out) == 1 else torch.cat(out, -1)
+            out = x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
+        else:
+            outs = [F.linear(x, m.weight, getattr(m, "bias", None)) for m in self.mods]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+        return out if residual is None else out.add_(residual)
 
 
 def _onednn_pack(w: torch.Tensor, batch_hint: int):
@@ -180,6 +185,20 @@ class Runner:
             self.v_slot[:, gs, :, :n] = self.v_cache[:, idx].transpose(1, 2)
             self.prompt_len[gs] = n
 
+    @torch.inference_mode()
+    def save_decoded(self, slot: int, table: list[int], start: int, end: int) -> None:
+        """Copy the KV of positions [start, end) of the sequence in `slot` from its group region to its paged
+        blocks. Decode writes only the group KV; the prefix cache needs the blocks of a finished sequence."""
+        if not self.slot_seqs or end <= start:
+            return
+        gs, m = divmod(slot, self.width)
+        P = int(self.prompt_len[gs])
+        p = torch.arange(start, end, device=self.device)
+        off = P + (p - P) * self.width + m
+        dst = torch.tensor(table, device=self.device)[p // self.block_size] * self.block_size + p % self.block_size
+        self.k_cache[:, dst] = self.k_slot[:, gs, :, off].transpose(1, 2)  # (layers, n, kv, D)
+        self.v_cache[:, dst] = self.v_slot[:, gs, :, off].transpose(1, 2)
+
     def refresh_weights(self) -> None:
         """Rebuild the packed weight copies from the model's current weights."""
         for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head):
@@ -211,8 +230,9 @@ class Runner:
 
     # ------------------------------------------------------------ forward
     def _forward(self, tokens, positions, slots, attend) -> torch.Tensor:
-        """tokens/positions/slots (N,) -> final hidden (N, H). `attend(layer, q, k, v)` -> (N, heads*D);
-        k/v (N, kv_heads, D) are the new tokens' keys/values, already written to the paged cache."""
+        """tokens/positions (N,) -> final hidden (N, H). `attend(layer, q, k, v)` -> (N, heads*D);
+        k/v (N, kv_heads, D) are the new tokens' keys/values, already written to the paged cache at
+        `slots` (N,) unless slots is None (decode over the group KV, which writes its own)."""
         N = tokens.shape[0]
         x = F.embedding(tokens, self.embed.weight)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
@@ -221,12 +241,13 @@ class Runner:
             qkv = self.qkv[i](_rmsnorm(x, layer.input_layernorm))
             qk = _rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once
             q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, nq + nk:].view(N, self.n_kv, D)
-            self.k_cache[i].index_copy_(0, slots, k)
-            self.v_cache[i].index_copy_(0, slots, v)
-            x = x + self.o[i](attend(i, q, k, v))
+            if slots is not None:
+                self.k_cache[i].index_copy_(0, slots, k)
+                self.v_cache[i].index_copy_(0, slots, v)
+            x = self.o[i](attend(i, q, k, v), residual=x)  # x + o_proj(attn)
             gu = self.gate_up[i](_rmsnorm(x, layer.post_attention_layernorm))
             I = gu.shape[1] // 2
-            x = x + self.down[i](F.silu(gu[:, :I]) * gu[:, I:])
+            x = self.down[i](F.silu(gu[:, :I]) * gu[:, I:], residual=x)  # x + down(silu(gate) * up)
         return _rmsnorm(x, self.norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -270,14 +291,15 @@ class Runner:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence. tokens/positions/rows (engine slots) (B,), tables (B, nb) block ids -> logits (B, V)."""
+        """One new token per sequence. tokens/positions/rows (engine slots) (B,), tables (B, nb) block ids -> logits (B, V).
+        With the group KV the new KV goes there only (`save_decoded` copies it to the blocks when needed)."""
+        if self.slot_seqs:
+            return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows)))
         bs, B = self.block_size, tokens.shape[0]
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         T = tables.shape[1] * bs
         mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None]).view(B, 1, 1, T)
         scale = self.head_dim ** -0.5
-        if self.slot_seqs:
-            return self.logits(self._forward(tokens, positions, slots, self._slot_attend(positions, slots, rows)))
 
         def attend(i, q, _k, _v):
             q = q.view(B, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
@@ -286,7 +308,7 @@ class Runner:
 
         return self.logits(self._forward(tokens, positions, slots, attend))
 
-    def _slot_attend(self, positions, slots, rows):
+    def _slot_attend(self, positions, rows):
         """Decode attention over the group KV: one SDPA call, one task per (group slot, KV head).
 
         Queries of a group slot: its `width` sequences x the G query heads of each KV head, (W*G, D);

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.errors import UserError
+from posttrain.ops import cpu_kernels
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -40,8 +41,7 @@ def check_supported(model) -> None:
 
 
 def _rmsnorm(x: torch.Tensor, mod) -> torch.Tensor:
-    h = F.rms_norm(x.float(), (x.shape[-1],), eps=mod.variance_epsilon)  # x * rsqrt(mean(x^2) + eps), fused
-    return mod.weight * h.to(x.dtype)
+    return cpu_kernels.rmsnorm(x, mod.weight, mod.variance_epsilon)  # HF RMSNorm; one fused pass for bf16 on CPU
 
 
 class _Linear:
@@ -99,16 +99,6 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
         return None
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x (N, heads, D); cos/sin_signed (N, 1, D): x*cos + rotate_half(x)*sin.
-
-    rotate_half(x) = cat(-x2, x1), so rotate_half(x)*sin = cat(x2, x1)*sin_signed with
-    sin_signed = cat(-sin1, sin2): no negation pass, and bit-identical to HF (a sign flip is exact;
-    addcmul would fuse the rounding and drift from the trainer in bf16)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed
-
-
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True,
                  slot_kv_seqs: int = 0):
@@ -142,7 +132,7 @@ class Runner:
         self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)  # (max_len, D), cast as HF does
         self.sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
         half = self.sin.shape[1] // 2
-        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=1)  # see _rope
+        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=1)  # see cpu_kernels.rope_ref
         shape = (len(self.layers), num_blocks * block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -235,11 +225,11 @@ class Runner:
         `slots` (N,) unless slots is None (decode over the group KV, which writes its own)."""
         N = tokens.shape[0]
         x = F.embedding(tokens, self.embed.weight)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # (N, D)
         nq, nk, D = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = self.qkv[i](_rmsnorm(x, layer.input_layernorm))
-            qk = _rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once
+            qk = cpu_kernels.rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once
             q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, nq + nk:].view(N, self.n_kv, D)
             if slots is not None:
                 self.k_cache[i].index_copy_(0, slots, k)

@@ -1,9 +1,9 @@
 """Built-in engine vs HF `generate`, same machine, same run: tokens/s, ratio, decode FLOP/s over peak.
 
-    .venv/bin/python benchmarks/engine_vs_hf.py [--prompts 8] [--samples 8] [--new-tokens 64] [--repeats 2] [--threads 0]
+    .venv/bin/python benchmarks/engine_vs_hf.py [--dtype bfloat16|float32] [--prompts 8] [--samples 8] [--new-tokens 64] [--repeats 2] [--threads 0]
 
-SmolLM2-135M-Instruct on CPU, in fp32 (default) or bf16 (--dtype bfloat16: weights, activations and
-KV cache in bf16 on both sides; AMX matmuls on CPUs that have them). Both sides sample at temperature 1 with no top-k/top-p and no
+SmolLM2-135M-Instruct on CPU, in bf16 (default: weights, activations and KV cache in bf16 on both
+sides; AMX matmuls on CPUs that have them) or fp32 (--dtype float32). Both sides sample at temperature 1 with no top-k/top-p and no
 early stop (HF: min_new_tokens = max_new_tokens; engine: ignore_eos), so both produce exactly
 prompts × samples × new_tokens tokens. HF runs one padded batch with num_return_sequences=samples
 (its fastest usage); the engine gets one request per prompt with n=samples. Each side is timed
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations, both sides")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights, activations and KV cache, both sides (bf16: the CPU fast path on AMX)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
     ap.add_argument("--out", default="benchmarks/results/engine_vs_hf.json")
     args = ap.parse_args()

@@ -228,6 +228,14 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     assert packed.generate([Request(PROMPTS[2], greedy)])[0].samples[0].token_ids == hf_greedy(model, PROMPTS[2], 12)
 
 
+def assert_same_samples(outs: dict, ref) -> None:
+    """Every run in `outs` drew the same tokens as `ref`, with log-probs within 1e-5."""
+    for key, got in outs.items():
+        for a, b in zip(ref, got):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples], key
+            assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+
+
 def test_slot_kv_equals_paged_gather_with_preemption_and_slot_reuse(model):
     # uneven lengths: slots free up and are reused out of order, so decode rows are not slots 0..B-1
     reqs = [Request(p, SamplingParams(n=4, temperature=0.9, max_new_tokens=8 + 8 * i, ignore_eos=True, seed=i)) for i, p in enumerate(PROMPTS)]
@@ -237,11 +245,7 @@ def test_slot_kv_equals_paged_gather_with_preemption_and_slot_reuse(model):
             eng = engine(model, slot_kv=slot_kv, kv_cache_mb=kv_mb, max_model_len=80)
             outs[slot_kv, kv_mb] = eng.generate(reqs)
             assert (eng.stats.preemptions > 0) == (kv_mb < 1)
-    ref = outs[False, 8]
-    for key, got in outs.items():
-        for a, b in zip(ref, got):
-            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples], key
-            assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+    assert_same_samples(outs, ref=outs[False, 8])
 
 
 def test_group_kv_equals_per_sequence_slots_with_early_stops(model):
@@ -260,11 +264,7 @@ def test_group_kv_equals_per_sequence_slots_with_early_stops(model):
     assert widths == {(True, 8): 4, (True, 0.06): 4, (False, 8): 1, (False, 0.06): 1}
     lens = {len(s.token_ids) for o in outs[True, 8] for s in o.samples}
     assert len(lens) > 3  # samples of one group finished at different steps
-    ref = outs[False, 8]
-    for key, got in outs.items():
-        for a, b in zip(ref, got):
-            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples], key
-            assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
+    assert_same_samples(outs, ref=outs[False, 8])
 
 
 def test_group_width_policy(model):

@@ -1,4 +1,8 @@
-"""Fused bf16 CPU kernels == the eager ops they replace, bit for bit (and the eager ops == HF's modules)."""
+"""Fused bf16 CPU kernels vs the eager ops they replace (and the eager ops == HF's modules).
+
+RoPE is bit-identical. RMSNorm sums the squares in another order than PyTorch's reduction, so its
+rsqrt can differ by one float ulp and a few outputs by a bf16 ulp or two; it must stay that close, and no
+less accurate than the eager op against a float64 reference."""
 
 import os
 
@@ -17,20 +21,26 @@ def test_kernels_build_here():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_rmsnorm_kernel_equals_eager_and_hf(rows):
-    g = torch.Generator().manual_seed(rows)
-    big = (torch.randn(rows, 700, generator=g) * 4).bfloat16()
-    x = big[:, :576]  # rows with a stride (a slice of a wider tensor)
-    norm = LlamaRMSNorm(576, eps=1e-5)
+@pytest.mark.parametrize("rows,H", [(1, 576), (7, 576), (300, 576), (2000, 576), (500, 896), (200, 4096)])
+def test_rmsnorm_kernel_matches_eager_and_hf(rows, H):
+    g = torch.Generator().manual_seed(rows + H)
+    big = (torch.randn(rows, H + 124, generator=g) * 4).bfloat16()
+    x = big[:, :H]  # rows with a stride (a slice of a wider tensor)
+    norm = LlamaRMSNorm(H, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(576, generator=g) + 0.5)
+        norm.weight.copy_(torch.rand(H, generator=g) + 0.5)
     norm = norm.bfloat16()
-    ref = K.rmsnorm_ref(x, norm.weight, 1e-5)
     with torch.no_grad():
+        ref = K.rmsnorm_ref(x, norm.weight, 1e-5)
         assert torch.equal(ref, norm(x))  # the eager twin is HF's module
-    got = K.rmsnorm(x, norm.weight, 1e-5)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+        got = K.rmsnorm(x, norm.weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    diff = (got.float() - ref.float()).abs()
+    assert (diff <= ref.float().abs() * 2**-6).all()  # one bf16 ulp in h, so at most ~2 in w * h
+    assert (diff > 0).float().mean() < 0.01  # and only rarely
+    x64, w64 = x.double(), norm.weight.double()
+    exact = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert (got.double() - exact).abs().mean() <= (ref.double() - exact).abs().mean() * 1.05
 
 
 @needs_kernels

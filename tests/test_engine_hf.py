@@ -276,3 +276,16 @@ def test_group_width_policy(model):
     assert eng.scheduler.width == 1  # 16 samples > 8 slots: per-sequence slots, refilled as each finishes
     eng.generate([Request(PROMPTS[0], same), Request(PROMPTS[1], SamplingParams(n=2, max_new_tokens=2))])
     assert eng.scheduler.width == 1  # mixed n
+
+
+def test_add_request_on_idle_engine_uses_per_sequence_slots(model):
+    eng = engine(model, max_num_seqs=8)
+    eng.generate([Request(PROMPTS[0], SamplingParams(n=4, max_new_tokens=2, ignore_eos=True))] * 2)
+    assert eng.scheduler.width == 4
+    states = [eng.add_request(Request(p, SamplingParams(max_new_tokens=2, ignore_eos=True)), i) for i, p in enumerate(PROMPTS)]
+    assert eng.scheduler.width == 1  # four single-sample requests must not take a group slot of 4 each
+    eng.step()  # one prefill admits all four
+    assert len(eng.scheduler.running) == 4
+    while eng.scheduler.has_work():
+        eng.step()
+    assert all(len(s.output.samples) == 1 for s in states)

@@ -65,6 +65,12 @@ def test_reset_prefix_cache():
     bm.register(t, [1, 2, 3], 3)
     bm.reset_prefix_cache()
     assert bm.lookup([1, 2, 3]) == []
+    bm.register(t, [1, 2, 3, 4], 4)  # the sequence finishes after the weight update: its KV is stale
+    assert bm.lookup([1, 2, 3, 4, 5]) == []
+    bm.free_table(t)
+    t2, _ = bm.allocate([1, 2, 3, 4, 5])  # blocks reused by a new sequence are fresh again
+    bm.register(t2, [1, 2, 3, 4, 5], 5)
+    assert len(bm.lookup([1, 2, 3, 4, 5])) == 2
 
 
 # ------------------------------------------------------------------ scheduler
@@ -200,6 +206,11 @@ def test_group_slots_width():
     assert gd == [0] and d.slot == 0
     with pytest.raises(RuntimeError):
         s.set_width(2)  # not while running
+    idle = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_prefill_tokens=1000)
+    idle.set_width(4)
+    idle.add(group([1] * 5, n=4))
+    with pytest.raises(RuntimeError):
+        idle.set_width(2)  # nor while a group waits (it was sized for width 4)
 
 
 def test_group_larger_than_width_takes_several_group_slots():

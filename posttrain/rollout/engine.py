@@ -42,7 +42,7 @@ class EngineConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB, allocated once (also capped at 2 x max_num_seqs x max_model_len tokens)")
     max_prefill_tokens: int = Field(4096, ge=1, description="uncached prompt tokens per prefill step (one longer prompt still runs alone)")
     seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
-    slot_kv: bool = Field(True, description="decode attends a contiguous copy of the running sequences' KV (no per-layer gather of blocks; + about max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
+    slot_kv: bool = Field(True, description="decode keeps the running sequences' KV in contiguous per-group regions (filled from the paged blocks when a group joins, copied back when a sequence finishes; no per-layer gather of blocks; + about max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
     group_kv: bool = Field(True, description="when every request of a generate() call has the same n and all its samples run at once, keep each group's prompt KV once and attend per group (fewer, larger attention tasks); slots are then handed out per group")
     pack_weights: bool = Field(True, description="run from a fused (q|k|v, gate|up), transposed copy of the linear weights (one more copy of them in memory), rebuilt when the weights change; false reads the model's weights at every forward")
 
@@ -130,7 +130,8 @@ class Engine:
         return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def reset_prefix_cache(self) -> None:
-        """Forget the cached prompt KV (the weights are unchanged; see `sync_weights` when they are not)."""
+        """Forget the cached prompt KV. Weights unchanged only: after writes via `.data` or a fused
+        optimizer step call `sync_weights()`, which also rebuilds the packed weights."""
         self.blocks.reset_prefix_cache()
 
     def sync_weights(self) -> None:
@@ -160,7 +161,14 @@ class Engine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, request: Request, index: int = 0) -> _RequestState:
-        """Validate and queue one request; a bad one gets `output.error` and is not queued."""
+        """Validate and queue one request; a bad one gets `output.error` and is not queued.
+        On an idle engine this also returns to per-sequence slots (width 1): unlike `generate`, it
+        cannot know whether more requests will follow."""
+        if not self.scheduler.has_work():
+            self._set_width(1)
+        return self._add(request, index)
+
+    def _add(self, request: Request, index: int) -> _RequestState:
         p = request.params
         out = RequestOutput(request.request_id if request.request_id is not None else index, list(request.prompt_token_ids or []))
         seed = p.seed if p.seed is not None else self.rng.getrandbits(63)
@@ -183,7 +191,7 @@ class Engine:
         self._t0 = time.perf_counter()
         if not self.scheduler.has_work():
             self._set_width(self._group_width(requests))
-        states = [self.add_request(r, i) for i, r in enumerate(requests)]
+        states = [self._add(r, i) for i, r in enumerate(requests)]
         while self.scheduler.has_work():
             self.step()
         return [s.output for s in states]
@@ -191,7 +199,9 @@ class Engine:
     def _group_width(self, requests: list[Request]) -> int:
         """Sequences per group slot for this batch of requests: n when all requests sample the same
         n > 1 and every sample gets a slot at once (then slots handed out per group cost nothing: no
-        sequence waits for one), else 1 (per-sequence slots, refilled as each sequence finishes)."""
+        sequence waits for one), else 1 (per-sequence slots, refilled as each sequence finishes).
+        One exception: a sequence preempted for KV blocks comes back as a group of one and needs a
+        whole free group slot, so under KV pressure it may wait for a group to finish."""
         cfg = self.config
         ns = {r.params.n for r in requests}
         if not (cfg.group_kv and cfg.slot_kv) or len(ns) != 1:

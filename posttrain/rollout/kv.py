@@ -36,6 +36,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.free: deque[int] = deque(range(num_blocks))
         self.free_set = set(range(num_blocks))
+        self.stale: set[int] = set()  # in use across a reset_prefix_cache: never entered into the cache
 
     # ------------------------------------------------------------ queries
     @property
@@ -77,6 +78,7 @@ class BlockManager:
             del self.cached[self.hash[b]]
         self.hash[b], self.tokens[b] = None, None
         self.ref[b] = 1
+        self.stale.discard(b)
         return b
 
     def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
@@ -111,12 +113,15 @@ class BlockManager:
         return shared + [dst], (table[-1], dst)
 
     def register(self, table: list[int], token_ids: list[int], num_computed: int) -> None:
-        """Enter every full block whose KV is computed (first `num_computed` tokens) into the prefix cache."""
+        """Enter every full block whose KV is computed (first `num_computed` tokens) into the prefix cache.
+        Stops at a stale block (its KV, and so every later block's, predates a weight update)."""
         prev, bs = None, self.block_size
         for i in range(min(num_computed // bs, len(table))):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = block_hash(prev, chunk)
             b = table[i]
+            if b in self.stale:
+                return
             if self.hash[b] is None:
                 if h in self.cached and self.cached[h] != b:  # same content elsewhere: keep the first
                     prev = h
@@ -135,10 +140,10 @@ class BlockManager:
                 self.free_set.add(b)
 
     def reset_prefix_cache(self) -> None:
-        """Forget cached contents (after a weight update the cached KV is stale)."""
+        """Forget cached contents (after a weight update the cached KV is stale). Blocks in use stay with
+        their sequences but are marked stale, so finishing them does not enter old KV into the cache."""
         self.cached.clear()
         for b in range(self.num_blocks):
-            if self.ref[b] == 0:
-                self.hash[b], self.tokens[b] = None, None
-            else:  # in use: keep it, but it is no longer findable
-                self.hash[b], self.tokens[b] = None, None
+            self.hash[b], self.tokens[b] = None, None
+            if self.ref[b] > 0:
+                self.stale.add(b)

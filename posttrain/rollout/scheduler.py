@@ -2,7 +2,8 @@
 
 Model-free (tested without a model). Each step is either a prefill of admitted groups or one
 decode step of every running sequence (as in nano-vllm). Continuous batching: a finished sequence
-leaves at once and its slot and blocks go to the next waiting group on the next step.
+leaves at once and its blocks (and, at width 1, its slot; see below) go to the next waiting group on
+the next step.
 
 No Python runs per token per sequence: a running sequence advances one token per decode step, so
 the step at which it fills its last block is known when the block is given; a timer wheel keyed by
@@ -48,13 +49,13 @@ class Scheduler:
 
     def set_width(self, width: int) -> None:
         """Group slots of `width` slots each (max_num_seqs // width of them); only while nothing runs."""
-        if self.running:
-            raise RuntimeError("set_width while sequences are running")
+        if self.running or self.waiting:
+            raise RuntimeError("set_width while sequences are running or waiting")
         if not 1 <= width <= self.max_num_seqs:
             raise ValueError(f"width {width} not in [1, max_num_seqs={self.max_num_seqs}]")
         self.width = width
         n = self.max_num_seqs // width
-        self.free_groups: list[int] = list(range(n - 1, -1, -1))  # pop() gives the lowest
+        self.free_groups: list[int] = list(range(n - 1, -1, -1))  # a stack: freed group slots are reused first
         self.live = [0] * n  # running samples per group slot
 
     def group_slots_needed(self, size: int) -> int:

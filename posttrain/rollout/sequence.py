@@ -47,7 +47,8 @@ class Sequence:
 class Group:
     """A prefill unit: the parent sequence is computed once; `size - 1` samples are forked from it.
 
-    A new request with n samples becomes ceil(n / max_num_seqs) groups; a preempted sequence comes
+    A new request with n samples becomes groups of at most the usable slots (max_num_seqs rounded
+    down to a multiple of the scheduler's width); a preempted sequence comes
     back as a group of size 1 that continues its own sample."""
 
     parent: Sequence

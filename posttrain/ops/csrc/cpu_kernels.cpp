@@ -1,5 +1,5 @@
-// Fused CPU kernels for bf16 decode (the rollout engine). Each reproduces, rounding for rounding, the
-// sequence of bf16 PyTorch ops it replaces (the eager reference lives next to its caller in
+// Fused CPU kernels for bf16 decode (the rollout engine). Each reproduces the roundings of the
+// sequence of bf16 PyTorch ops it replaces (RMSNorm up to the order of its sum of squares) (the eager reference lives next to its caller in
 // posttrain/ops/cpu_kernels.py and tests compare the two), in one pass instead of 4-9 dispatched ops:
 // at decode shapes (64 rows) eager bf16 elementwise ops cost ~10 us each, mostly fixed overhead.
 //

@@ -141,7 +141,7 @@ class Engine:
         Changes are also detected through tensor version counters, but fused optimizers
         (AdamW(fused=True)) and `.data` writes update parameters without bumping them, so trainers must call this.
         """
-        self.blocks.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.runner.refresh_weights()
         self._weights_version = self._version()
 
@@ -262,8 +262,7 @@ class Engine:
         rows = self._running_rows()
         if rows.numel():
             pos = self.ntok[rows] - 1
-            nb = int(pos.max()) // self.blocks.block_size + 1
-            logits = self.runner.decode(self.last[rows], pos, self.tables[rows, :nb], rows)
+            logits = self.runner.decode(self.last[rows], pos, self.tables, rows)
             self._sample_and_record(self.scheduler.running, rows, logits)
             self.stats.decode_steps += 1
             self.stats.occupancy_sum += rows.numel() / self.config.max_num_seqs

@@ -284,12 +284,14 @@ class Runner:
         return self.logits(hidden[last])
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One new token per sequence. tokens/positions/rows (engine slots) (B,), tables (B, nb) block ids -> logits (B, V).
-        With the group KV the new KV goes there only (`save_decoded` copies it to the blocks when needed)."""
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence. tokens/positions/rows (engine slots) (B,), block_tables (slots, max
+        blocks) block ids of every engine slot -> logits (B, V). With the group KV the new KV goes there
+        only (`save_decoded` copies it to the blocks when needed) and the block tables are not read."""
         if self.slot_seqs:
             return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows)))
         bs, B = self.block_size, tokens.shape[0]
+        tables = block_tables[rows, :int(positions.max()) // bs + 1]  # (B, nb)
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         T = tables.shape[1] * bs
         mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None]).view(B, 1, 1, T)
@@ -324,7 +326,7 @@ class Runner:
         # mask (ngs, 1, W*G, L): key o is visible to slot s iff o < P (prompt) or (o - P) % W == s % W and o <= last[s]
         o = torch.arange(L, device=self.device)
         P_s = self.prompt_len[:ngs].repeat_interleave(W).unsqueeze(1)  # (S, 1)
-        own = o <= last.unsqueeze(1) if W == 1 else ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
+        own = ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
         vis = (o < P_s) | own
         vis[:, 0] = True  # idle slots: something finite
         mask = torch.zeros(S, L, dtype=self.dtype, device=self.device).masked_fill_(~vis, float("-inf"))

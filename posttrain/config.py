@@ -1,7 +1,9 @@
 """Configuration: pydantic models, YAML files and `key=value` overrides.
 
 Every recipe's config is a flat-ish pydantic model (nested models allowed, addressed with dotted
-keys). Unknown keys are errors that name the nearest valid key. `describe(cls)` renders the
+keys; on the command line the last component alone works when it names exactly one nested key,
+`max_new_tokens=24` for `sampling.max_new_tokens`). Unknown keys are errors that name the nearest
+valid key. `describe(cls)` renders the
 `--help` text: every key with its type, default and meaning.
 
     cfg = parse_args(SFTConfig, ["--config", "configs/sft.yaml", "lr=1e-4", "lora.r=16"])
@@ -30,7 +32,7 @@ class Config(BaseModel):
 class CommonConfig(Config):
     """Keys every recipe shares (DESIGN §3)."""
 
-    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2)")
+    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name, from the HF cache or downloaded)")
     data: str = Field("", description="dataset: .jsonl/.parquet file, HF datasets folder, or built-in task name")
     output_dir: str = Field("runs/run", description="run directory (config.yaml, metrics.jsonl, checkpoints/, final/, report.html)")
     max_steps: int = Field(100, ge=0, description="optimizer steps to run")
@@ -38,6 +40,8 @@ class CommonConfig(Config):
     resume: bool = Field(False, description="continue from the newest checkpoint in output_dir/checkpoints")
     mixed_precision: str = Field("none", pattern="^(none|bf16)$",
                                  description="bf16: fp32 weights/grads/optimizer, backbone matmuls in bf16 via torch.autocast (lm_head stays fp32) | none")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="auto (cuda if a GPU is visible, else cpu) | cpu | cuda | cuda:N")
 
 
 # ---------------------------------------------------------------- keys, help, suggestions
@@ -165,6 +169,19 @@ def build(cls: type[BaseModel], data: dict, source: str = "config") -> Any:
         raise ConfigError("\n".join(msgs)) from None
 
 
+def _resolve_key(key: str, keys: list[str]) -> str:
+    """A full dotted key, a section prefix, or the last component of exactly one nested key
+    (`max_new_tokens=24` for `sampling.max_new_tokens`); anything else is refused with a suggestion."""
+    if key in keys or any(k.startswith(key + ".") for k in keys):
+        return key
+    tails = [k for k in keys if "." in k and k.rsplit(".", 1)[-1] == key]
+    if len(tails) == 1:
+        return tails[0]
+    if len(tails) > 1:
+        raise ConfigError(f"key '{key}' is ambiguous: write one of {', '.join(tails)}")
+    raise ConfigError(f"unknown key '{key}'{_suggest(key, keys)}")
+
+
 def split_flags(argv: list[str], flags: tuple[str, ...]) -> tuple[list[str], set[str]]:
     """Pull boolean switches such as `--json` out of argv: (rest, switches found)."""
     return [a for a in argv if a not in flags], {a for a in argv if a in flags}
@@ -195,9 +212,7 @@ def parse_args(cls: type[BaseModel], argv: list[str], prog: str = "posttrain") -
             raise ConfigError(f"unexpected argument '{arg}': use key=value, --config FILE or --help")
     keys = all_keys(cls)
     for key, value in overrides:
-        if key not in keys and not any(k.startswith(key + ".") for k in keys):
-            raise ConfigError(f"unknown key '{key}'{_suggest(key, keys)}")
-        _set_dotted(data, key, value)
+        _set_dotted(data, _resolve_key(key, keys), value)
     return build(cls, data)
 
 

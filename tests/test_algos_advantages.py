@@ -25,7 +25,7 @@ def test_grpo_group_std():
     close(m["groups/all_pass_frac"], 1 / 3)
     close(m["groups/all_fail_frac"], 0.0)
     close(m["adv/mean"], adv.mean())
-    assert set(m) >= {"adv/mean", "adv/std", "reward/mean", "reward/std"}
+    assert set(m) >= {"adv/mean", "adv/std", "groups/zero_adv_frac"} and "reward/mean" not in m
 
 
 def test_grpo_batch_and_none_and_dr_grpo():
@@ -123,3 +123,16 @@ def test_gae_matches_reference_random():
     adv_w, _ = A.gae(r, v, m, gamma=0.9, lam=0.8, whiten=True)
     sel = m.bool()
     assert abs(adv_w[sel].mean().item()) < 1e-5 and adv_w[sel].std().item() == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "learnability"])
+def test_equal_rewards_that_are_inexact_in_float32_get_exactly_zero_advantage(name):
+    """8 × 1.2: float32 mean != 1.2, so (r − mean)/(std + eps) was ≈ +0.106 for every sample."""
+    from posttrain.algos import advantages
+
+    rewards = torch.tensor([1.2] * 8 + [0.0, 1.0, 1.0, 0.0], dtype=torch.float32)
+    groups = torch.tensor([0] * 8 + [1] * 4)
+    adv, m = advantages.get(name)(rewards, groups)
+    assert torch.equal(adv[:8], torch.zeros(8)), adv[:8]
+    assert adv[8:].abs().sum() > 0
+    assert float(m["groups/zero_adv_frac"]) == 0.5

@@ -12,7 +12,7 @@ def test_overrides_and_dotted_keys(tmp_path):
     assert cfg.max_steps == 7 and cfg.optim.lr == 2e-4 and cfg.lora.r == 4 and cfg.lora.enabled and cfg.max_length == 64
 
 
-@pytest.mark.parametrize("arg,hint", [("max_step=3", "max_steps"), ("optim.lrr=1", "optim.lr"), ("lr=1e-4", "optim.lr")])
+@pytest.mark.parametrize("arg,hint", [("max_step=3", "max_steps"), ("optim.lrr=1", "optim.lr"), ("lrr=1e-4", "optim.lr")])
 def test_unknown_key_suggests_nearest(arg, hint):
     with pytest.raises(ConfigError, match=f"did you mean '{hint}'"):
         parse_args(SFTConfig, [arg])
@@ -51,3 +51,13 @@ def test_methods_prints_table_and_registries(capsys):
     out = capsys.readouterr().out
     assert "grpo" in out and "models in memory" in out
     assert "policy losses" in out and "cispo" in out and "math" in out
+
+
+def test_last_component_of_one_nested_key_is_accepted():
+    cfg = parse_args(SFTConfig, ["lr=1e-4", "r=8"])
+    assert cfg.optim.lr == 1e-4 and cfg.lora.r == 8
+    from posttrain.recipes.rl import RLConfig
+
+    cfg = parse_args(RLConfig, ["max_new_tokens=24", "temperature=0.7", "seed=3"])
+    assert cfg.sampling.max_new_tokens == 24 and cfg.sampling.temperature == 0.7
+    assert cfg.seed == 3 and cfg.engine.seed == 0  # an exact top-level key wins over a nested one

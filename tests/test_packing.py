@@ -130,7 +130,7 @@ def test_bucket_plan_covers_every_token_once_and_bounds_padding():
     from posttrain.ops.attention import _plan
 
     lengths = (5, 100, 3, 80, 77, 1, 64, 30)
-    buckets, inverse = _plan(lengths)
+    buckets, inverse = _plan((tuple((L, ()) for L in lengths),), sum(lengths))
     kept = torch.cat([idx.view(n, Lb).reshape(-1)[keep] for idx, n, Lb, keep in buckets])
     assert torch.equal(kept[inverse], torch.arange(sum(lengths)))  # each token exactly once, back in order
     for idx, n, Lb, keep in buckets:

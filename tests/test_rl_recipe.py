@@ -21,7 +21,7 @@ def run(tmp_path, *overrides, name="run"):
     cfg = parse_args(rl.RLConfig, [
         "model=tiny-random", f"data={data}", f"output_dir={tmp_path / name}", "reward=space_share",
         "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "optim.lr=2e-2", "max_steps=8",
-        "micro_batch_size=8", "progress=false", *overrides,
+        "progress=false", *overrides,
     ])
     return rl.train(cfg), tmp_path / name
 

@@ -10,8 +10,12 @@ token-level rewards and values instead:
 
     gae(token_rewards (B, T), values (B, T), mask (B, T), gamma, lam) -> (advantages, returns)
 
-Metrics are 0-dim tensors (no .item() here): adv/mean, adv/std, reward/mean, reward/std,
-groups/zero_adv_frac (all rewards in the group equal -> zero advantage, zero gradient),
+Every group-baseline estimator gives exactly 0 to a group whose rewards are all equal (compared
+exactly): in float32 the mean of eight 1.2s is not 1.2, and dividing that rounding residue by a
+tiny std would hand every sample the same large advantage (8 × 1.2 -> A ≈ +0.106 before this rule).
+
+Metrics are 0-dim tensors (no .item() here): adv/mean, adv/std (reward statistics belong to the
+reward phase, which knows which samples were skipped), groups/zero_adv_frac (all rewards in the group equal -> zero advantage, zero gradient),
 groups/all_pass_frac, groups/all_fail_frac (a sample passes when reward > pass_threshold).
 """
 
@@ -43,18 +47,23 @@ def group_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, adv: torch.Ten
     return {
         "adv/mean": a.mean(),
         "adv/std": a.std(unbiased=False),
-        "reward/mean": r.mean(),
-        "reward/std": r.std(unbiased=False),
         "groups/zero_adv_frac": (group_max(r, inv, g) == group_min(r, inv, g)).float().mean(),
         "groups/all_pass_frac": (n_pass == counts).float().mean(),
         "groups/all_fail_frac": (n_pass == 0).float().mean(),
     }
 
 
+def _flat(rewards, inv, counts) -> torch.Tensor:
+    """(N,) bool: the sample's group has all rewards exactly equal (no signal)."""
+    g = counts.numel()
+    return (group_max(rewards, inv, g) == group_min(rewards, inv, g))[inv]
+
+
 def _centered(rewards, group_ids):
-    """r − group mean  # (N,), with the group index."""
+    """r − group mean  # (N,), exactly 0 in groups whose rewards are all equal; with the group index."""
     inv, counts = group_index(group_ids)
-    return rewards - group_mean(rewards, inv, counts)[inv], inv, counts
+    centered = rewards - group_mean(rewards, inv, counts)[inv]
+    return torch.where(_flat(rewards, inv, counts), torch.zeros_like(centered), centered), inv, counts
 
 
 @registry.register("grpo", level="outcome")
@@ -105,6 +114,7 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor, *, pass_threshold: floa
     total = group_sum(rewards, inv, counts.numel())[inv]  # (N,) Σ_j r_j in i's group
     n = counts[inv].to(rewards.dtype)
     adv = rewards - (total - rewards) / (n - 1)
+    adv = torch.where(_flat(rewards, inv, counts), torch.zeros_like(adv), adv)
     return adv, group_metrics(rewards, group_ids, adv, pass_threshold)
 
 
@@ -138,8 +148,9 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps
 
         A'_i = r_i − mean_g(r);   A_i = (A'_i − mean_batch(A')) / std_batch(A')"""
     _check(rewards, group_ids)
-    centered, _, _ = _centered(rewards, group_ids)
+    centered, inv, counts = _centered(rewards, group_ids)
     adv = _batch_whiten(centered, eps)
+    adv = torch.where(_flat(rewards, inv, counts), torch.zeros_like(adv), adv)  # the batch mean is not exactly 0
     return adv, group_metrics(rewards, group_ids, adv, pass_threshold)
 
 
@@ -166,7 +177,7 @@ def learnability(rewards: torch.Tensor, group_ids: torch.Tensor, *, weight: str 
         w = 4.0 * p * (1.0 - p)
     elif weight == "maxent":
         # KL(Bern(p) ‖ Bern(½)) = log 2 + p log p + (1−p) log(1−p)   (0 log 0 = 0)
-        kl = torch.log(torch.tensor(2.0, dtype=p.dtype)) + torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p)
+        kl = torch.log(torch.tensor(2.0, dtype=p.dtype, device=p.device)) + torch.xlogy(p, p) + torch.xlogy(1 - p, 1 - p)
         w = torch.exp(-lam * kl)
     else:
         raise ValueError(f"weight must be 'variance' or 'maxent', got {weight!r}")

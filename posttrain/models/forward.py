@@ -39,15 +39,23 @@ def compute_precision(mixed_precision: str, device) -> contextlib.AbstractContex
     raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}")
 
 
-def hidden_states(model, batch: Batch, mixed_precision: str = "none") -> torch.Tensor:
+def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=None) -> torch.Tensor:
     """Last hidden states (B, T, H) of the decoder for a packed or padded batch.
+
+    `layout` (ops.attention.Layout, per row its shared-prefix blocks) replaces the segments derived
+    from the position ids: a group's prompt runs once and its completions attend to it.
 
     Under mixed precision the residual stream and the final norm stay fp32 (fp32 embeddings + bf16
     matmul outputs promote to fp32), so the returned states are fp32."""
     backbone, _ = backbone_and_head(model)
     extra = {}
     if getattr(unwrap(model).config, "_attn_implementation", None) == VARLEN:
-        extra["segments"] = segments_from_positions(batch.position_ids, batch.row_tokens)  # per-sample causal attention
+        if layout is not None:
+            extra["layout"] = layout
+        else:
+            extra["segments"] = segments_from_positions(batch.position_ids, batch.row_tokens)  # per-sample causal attention
+    elif layout is not None:
+        raise ValueError("a shared-prefix layout needs posttrain's varlen attention (load_model(varlen_attention=True))")
     with compute_precision(mixed_precision, batch.input_ids.device):
         out = backbone(
             input_ids=batch.input_ids,

@@ -28,7 +28,7 @@ class PlanConfig(Config):
     logit_copies: float = Field(3, ge=0, description="(tokens × vocab) tensors alive at the loss: 3 for the HF loss, 1 with chunked selective log-softmax")
 
     # method options (SPEC §0)
-    beta: Optional[float] = Field(None, ge=0, description="KL coefficient; 0 loads no reference (default ppo 0.02, grpo 0.04, rlvr/agent 0)")
+    beta: Optional[float] = Field(None, ge=0, description="KL coefficient; 0 loads no reference (default: the method's, see `posttrain methods`)")
     reward: Optional[str] = Field(None, description="rs/ppo/grpo/rlvr/agent: 'model' (a reward model in memory) or 'verifier' (no model)")
     reward_model: Optional[str] = Field(None, description="size or architecture of the reward model (default: same as model)")
     value_model: Optional[bool] = Field(None, description="grpo/rlvr/agent: add a value model (PPO always has one)")

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from posttrain.errors import UserError
+from posttrain.algos.kl import BETA_PRESETS
+from posttrain.algos.presets import RL_PRESETS
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,10 @@ METHODS: dict[str, Method] = {m.name: m for m in [
            "implicit (BoN KL ≤ log N − (N−1)/N)", "—", True, False, default_reward="model",
            variants=(("with verifier", {"reward": "verifier"}),)),
     Method("ppo", "PPO (RLHF)", "RM", "k1 KL per token in the reward", "yes (GAE)", True, False,
-           default_beta=0.02, default_reward="model", rl=True,
+           default_beta=BETA_PRESETS["instructgpt"], default_reward="model", rl=True,
            variants=(("with verifier", {"reward": "verifier"}), ("with β=0", {"beta": 0.0}))),
     Method("grpo", "GRPO family", "RM or verifier", "k3 KL in the loss (β may be 0)", "no (group baseline)",
-           True, False, default_beta=0.04, default_reward="model", rl=True,
+           True, False, default_beta=RL_PRESETS["grpo"].beta, default_reward="model", rl=True,
            variants=(("with verifier", {"reward": "verifier"}),
                      ("with verifier and β=0", {"reward": "verifier", "beta": 0.0}))),
     Method("dpo", "DPO family", "implicit: β·log(πθ/πref)", "the denominator of the loss", "—", False, True,

@@ -21,11 +21,11 @@ def main(argv: list[str]) -> None:
 def registries() -> list[tuple[str, list[str]]]:
     """The public registries users extend (`posttrain.algos.*`, `posttrain.rewards.registry`), as they are now."""
     from posttrain import algos
-    from posttrain.recipes.rl import ALGOS
+    from posttrain.algos.presets import RL_PRESETS
     from posttrain.rewards import registry as rewards
 
     return [
-        ("rl algos", list(ALGOS)),
+        ("rl algos", list(RL_PRESETS)),
         ("advantage estimators", algos.advantages.names()),
         ("policy losses", algos.policy_losses.names()),
         ("preference losses", algos.preference_losses.names()),

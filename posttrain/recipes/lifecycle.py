@@ -1,0 +1,82 @@
+"""The run lifecycle every training recipe shares: run directory, resume, checkpoints, final model,
+summary and report. A recipe reads:
+
+    life = RunLifecycle(cfg)                         # output_dir, config.yaml; finds the checkpoint to resume
+    ... build model, optimizer, scheduler ...
+    state = life.restore(model, optimizer, scheduler) # {} on a fresh run; life.start = first step to run
+    metrics = life.metrics()                          # metrics.jsonl (trimmed to the checkpoint on resume)
+    for step in range(life.start, cfg.max_steps):
+        ...
+        life.checkpoint(step + 1, model, optimizer, scheduler, state_dict)   # honours save_every
+    life.save_final(model, tok, lora=False)
+    life.finish(summary, title, sections)             # summary.json + report.html
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.monitor.metrics import MetricsWriter
+from posttrain.monitor.report import write_report
+from posttrain.recipes.common import setup_run
+
+
+class RunLifecycle:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
+        self.resume_from = existing[-1] if existing else None
+        self.out = setup_run(cfg, resume=cfg.resume)
+        self.start = 0
+
+    @property
+    def resuming(self) -> bool:
+        return self.resume_from is not None
+
+    def restore(self, model, optimizer, scheduler) -> dict:
+        """Load the newest checkpoint in place (weights, optimizer, scheduler, RNG); returns its state."""
+        if self.resume_from is None:
+            return {}
+        state = load_checkpoint(self.resume_from, model, optimizer, scheduler)
+        self.start = state["step"]
+        return state
+
+    def metrics(self) -> MetricsWriter:
+        return MetricsWriter(self.out / "metrics.jsonl", resume_step=self.start if self.resuming else None)
+
+    def fresh_file(self, name: str) -> Path:
+        """A run-directory file that a fresh run empties and a resumed run appends to."""
+        path = self.out / name
+        if not self.resuming:
+            path.write_text("")
+        return path
+
+    def checkpoint(self, done: int, model, optimizer, scheduler, state: dict, force: bool = False) -> None:
+        """Save at every `save_every` steps, and always when `force` (the end of the run)."""
+        every = self.cfg.save_every
+        if force or (every and done % every == 0 and done != self.cfg.max_steps):
+            save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints)
+
+    def save_final(self, model, tok, lora: bool = False) -> Path:
+        """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/."""
+        path = self.out / "final"
+        path.mkdir(parents=True, exist_ok=True)
+        if lora:
+            model.save_pretrained(path / "adapter")
+            tok.save_pretrained(path / "adapter")
+            model = model.merge_and_unload()
+        from posttrain.models.forward import unwrap
+
+        unwrap(model).save_pretrained(path)
+        tok.save_pretrained(path)
+        return path
+
+    def history(self) -> list[dict]:
+        path = self.out / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def finish(self, summary: dict, title: str, sections: dict) -> None:
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        write_report(self.out, title, {**sections, "config": self.cfg.model_dump(mode="json")})

@@ -1,0 +1,176 @@
+"""The phases of one RL step (recipes/rl.py calls them in order). Each takes typed records and
+returns typed records plus its metrics; metric names are prefixed by what they measure so phases
+never overwrite each other (`merge_metrics` refuses a collision).
+
+    collect    generate G samples per prompt -> Trajectory; score; filter (dynamic sampling)
+    advantage  outcome advantages over the samples whose reward applies
+    reference  log π_ref on the loss tokens (β > 0), temperature-only distribution
+    update     policy loss (+ β·KL), global normalisers, PPO epochs, AdamW
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from posttrain.algos import aggregate, dynamic_sampling, kl_estimate
+from posttrain.data import formats
+from posttrain.data.templates import render_prompt
+from posttrain.models.forward import backbone_and_head, hidden_states
+from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.rollout.trajectory import RLBatch, Trajectory
+from posttrain.rollout.types import Request
+
+
+# ---------------------------------------------------------------- collect
+
+
+def generate(engine, tok, rows: list[formats.Row], first_group: int, cfg, seed: int, version: int) -> list[Trajectory]:
+    """`group_size` samples of each row's prompt; group ids first_group, first_group + 1, …"""
+    requests = [Request(render_prompt(tok, r.data["prompt"]), cfg.sampling.params(n=cfg.group_size, seed=seed + i),
+                        request_id=i) for i, r in enumerate(rows)]
+    out = []
+    for i, res in enumerate(engine.generate(requests)):
+        if res.error:
+            raise rows[i].error("prompt", f"generation refused: {res.error}")
+        for c in res.samples:
+            text = c.text if c.text is not None else tok.decode(c.token_ids, skip_special_tokens=True)
+            kept = getattr(c, "kept_counts", None)
+            out.append(Trajectory(
+                res.prompt_token_ids, list(c.token_ids), torch.tensor(c.logprobs, dtype=torch.float32), first_group + i,
+                kept=torch.tensor(kept, dtype=torch.long) if kept is not None else None, policy_version=version,
+                finish_reason=c.finish_reason, text=text))
+    return out
+
+
+def score(reward_fn, rows_by_group: dict[int, formats.Row], trajs: list[Trajectory]) -> None:
+    """Fill `reward`. Dataset columns are passed per sample (TRL convention), and `completion_ids`
+    (the response token ids) so length-based rewards count tokens."""
+    rows = [rows_by_group[t.group] for t in trajs]
+    extra = {k for row in rows for k in row.data if k not in ("prompt", "messages")}
+    columns = {k: [row.data.get(k) for row in rows] for k in extra}
+    columns["completion_ids"] = [t.response_ids for t in trajs]
+    values = reward_fn([row.data["prompt"] for row in rows], [t.text for t in trajs], **columns)
+    for t, v in zip(trajs, values):
+        t.reward = v
+        t.valid = v is not None
+
+
+def informative_groups(trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
+    """Dynamic sampling (DAPO): keep the groups whose applicable rewards are not all equal; a group
+    with fewer than two applicable rewards has no signal either. Returns (kept trajectories, groups dropped)."""
+    scored = [t for t in trajs if t.reward is not None]
+    groups = {t.group for t in trajs}
+    if not scored:
+        return [], len(groups)
+    res = dynamic_sampling(torch.tensor([t.reward for t in scored], dtype=torch.float64),
+                           torch.tensor([t.group for t in scored]))
+    keep = set(res.kept_groups.tolist())
+    return [t for t in trajs if t.group in keep], len(groups) - len(keep)
+
+
+# ---------------------------------------------------------------- advantage
+
+
+def assign_advantages(trajs: list[Trajectory], adv_fn, mask_truncated: bool) -> dict:
+    """Outcome advantages from the samples whose reward applies (None is left out of the baseline and
+    the loss). With `mask_truncated`, samples cut at the length limit keep their place in the
+    baseline but carry no loss (DAPO's overlong filtering)."""
+    scored = [t for t in trajs if t.reward is not None]
+    for t in trajs:
+        t.advantage, t.valid = 0.0, t.reward is not None
+    if not scored:
+        return {}
+    rewards = torch.tensor([t.reward for t in scored], dtype=torch.float64)  # exact equality tests, no fp32 residue
+    adv, metrics = adv_fn(rewards, torch.tensor([t.group for t in scored]))
+    for t, a in zip(scored, adv.tolist()):
+        t.advantage = a
+        if mask_truncated and t.finish_reason == "length":
+            t.valid = False
+    return metrics
+
+
+# ---------------------------------------------------------------- forward
+
+
+def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str, truncated: bool,
+                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(a_t|s_t) of the loss tokens -> ((S, L), entropy (S, L) | None).
+
+    truncated=True: the distribution the engine sampled from (temperature, then the kept set of a
+    top-k/top-p draw, identified by its size so the two sides agree by construction);
+    truncated=False: the temperature-only distribution (reference and KL: a token outside the
+    reference's nucleus must not get log-prob −inf)."""
+    _, head = backbone_and_head(model)
+    h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
+    h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H) only where a loss token is predicted
+    if truncated and batch.kept is not None and bool((batch.kept > 0).any()):
+        from posttrain.ops.sampling import trainer_logprobs
+
+        with torch.autocast(h.device.type, enabled=False):
+            logits = h.to(head.weight.dtype) @ head.weight.t()
+            if head.bias is not None:
+                logits = logits + head.bias
+            logp, ent = trainer_logprobs(logits, batch.targets, temperature, kept=batch.kept, with_entropy=with_entropy)
+    else:
+        logp, ent = chunked_logprobs(h, head.weight, batch.targets, bias=head.bias, temperature=temperature,
+                                     with_entropy=with_entropy)
+    return batch.spread(logp), (batch.spread(ent.detach()) if ent is not None else None)
+
+
+@torch.no_grad()
+def reference_logps(ref, batches: list[RLBatch], cfg) -> None:
+    for b in batches:
+        b.ref_logp, _ = policy_logps(ref, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=False)
+
+
+# ---------------------------------------------------------------- update
+
+
+class TokenMeans:
+    """Loss metrics averaged over loss tokens across micro-batches (a micro-batch's mean weighs by its
+    tokens); `/min` and `/max` metrics take the extreme instead."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, metrics: dict, tokens: float) -> None:
+        self.weight += tokens
+        for k, v in metrics.items():
+            v = float(v)
+            if k.endswith("/min"):
+                self.sums[k] = min(self.sums.get(k, math.inf), v)
+            elif k.endswith("/max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v * tokens
+
+    def result(self) -> dict:
+        w = max(self.weight, 1.0)
+        return {k: (v if k.endswith(("/min", "/max")) else v / w) for k, v in self.sums.items()}
+
+
+def consistency(batch: RLBatch, old: torch.Tensor) -> dict:
+    """Trainer vs engine on the sampled tokens: |Δ log p| and KL(μ‖π) ≈ E_μ[log μ − log π] (sums)."""
+    m = batch.mask
+    d = (old - batch.behaviour_logp).abs() * m
+    return {"dlogp_max": float(d.max()) if m.any() else 0.0, "dlogp_sum": float(d.sum()),
+            "kl_sum": float(((batch.behaviour_logp - old) * m).sum()), "tokens": int(m.sum())}
+
+
+def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap: float | None, norms: dict):
+    """Scalar loss of one micro-batch (its exact share of the step's loss) and its metrics."""
+    mask = b.loss_mask
+    extra = dict(cfg.loss_args)
+    if tis_cap:
+        extra.update(behaviour_logp=b.behaviour_logp, tis_cap=tis_cap)
+    tok_loss, metrics = loss_fn(logp, b.old_logp, b.advantages, mask, **extra)
+    if beta > 0:
+        kl_tok = kl_estimate(logp, b.ref_logp, kl_est)
+        tok_loss = tok_loss + beta * kl_tok
+        metrics["kl/mean"] = (kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1)
+    loss = aggregate(tok_loss, mask, norms["agg"], norm_tokens=norms["tokens"], max_len=cfg.sampling.max_new_tokens,
+                     num_sequences=norms["seqs"])
+    return loss, metrics

@@ -34,21 +34,16 @@ def recompute(model, prompt, completion, params) -> torch.Tensor:
     return lp.gather(-1, torch.tensor(completion, device=lp.device)[:, None]).squeeze(-1).cpu()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: this check needs one")
-        return 2
-    tok = load_tokenizer(args.model)
+def check(model: str = "smollm2-135m-instruct") -> dict:
+    """Run the four checks on CUDA (printing as it goes); returns the measured numbers and `failures`."""
+    tok = load_tokenizer(model)
     msgs = ["What is 2+2?", "Write a haiku about the sea.", "Explain gravity in two sentences.", "hi"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
-    failures = []
+    failures, result = [], {"model": model}
 
-    vb = VLLMBackend(resolve(args.model), dtype="bfloat16", max_model_len=1024)
-    ref32 = load_model(args.model, dtype="float32").cuda().eval()
-    bf16 = load_model(args.model, dtype="bfloat16").cuda().eval()
+    vb = VLLMBackend(resolve(model), dtype="bfloat16", max_model_len=1024)
+    ref32 = load_model(model, dtype="float32", device="cuda").eval()
+    bf16 = load_model(model, dtype="bfloat16", device="cuda").eval()
     engine = Engine(bf16, tok, EngineConfig(max_num_seqs=64, max_model_len=1024, kv_cache_mb=2048))
 
     greedy = SamplingParams(temperature=0, max_new_tokens=48)
@@ -58,6 +53,7 @@ def main() -> int:
         x, y = a.samples[0].token_ids, b.samples[0].token_ids
         same = next((k for k, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
         print(f"greedy prompt {i}: vLLM {len(x)} tokens, engine {len(y)} tokens, agree on first {same}")
+        result.setdefault("greedy_agree_tokens", []).append(same)
         if same < min(8, len(x), len(y)):
             failures.append(f"greedy prompt {i} differs within 8 tokens")
 
@@ -69,6 +65,7 @@ def main() -> int:
                 d = (torch.tensor(s.logprobs) - recompute(ref32, p, s.token_ids, sp)).abs()
                 worst = max(worst, float(d[torch.isfinite(d)].max()) if d.numel() else 0.0)
         print(f"{name}: max |logp - fp32 recomputation| = {worst:.4f}")
+        result[f"{name}_max_dlogp"] = worst
         if worst > 0.1:
             failures.append(f"{name} behaviour log-probs off by {worst:.3f}")
 
@@ -77,8 +74,20 @@ def main() -> int:
     vb.update_weights(sd)
     changed = vb.generate([Request(prompts[0], greedy)])[0].samples[0].token_ids
     print("update_weights changed vLLM output:", changed != v_out[0].samples[0].token_ids)
+    result["update_weights_changed_output"] = changed != v_out[0].samples[0].token_ids
     if changed == v_out[0].samples[0].token_ids:
         failures.append("update_weights had no effect")
+    return {**result, "failures": failures}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: this check needs one")
+        return 2
+    failures = check(args.model)["failures"]
     print("FAIL:\n  " + "\n  ".join(failures) if failures else "OK")
     return 1 if failures else 0
 

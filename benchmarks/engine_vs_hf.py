@@ -1,8 +1,8 @@
 """Built-in engine vs HF `generate`, same machine, same run: tokens/s, ratio, decode FLOP/s over peak.
 
-    .venv/bin/python benchmarks/engine_vs_hf.py [--dtype bfloat16|float32] [--prompts 8] [--samples 8] [--new-tokens 64] [--repeats 2] [--threads 0]
+    .venv/bin/python benchmarks/engine_vs_hf.py [--dtype bfloat16|float32] [--prompts 8] [--samples 8] [--new-tokens 64] [--repeats 2] [--threads 0] [--device cpu]
 
-SmolLM2-135M-Instruct on CPU, in bf16 (default: weights, activations and KV cache in bf16 on both
+SmolLM2-135M-Instruct on CPU (or --device cuda; benchmarks/check_gpu.py calls `compare` on CUDA), in bf16 (default: weights, activations and KV cache in bf16 on both
 sides; AMX matmuls on CPUs that have them) or fp32 (--dtype float32). Both sides sample at temperature 1 with no top-k/top-p and no
 early stop (HF: min_new_tokens = max_new_tokens; engine: ignore_eos), so both produce exactly
 prompts × samples × new_tokens tokens. HF runs one padded batch with num_return_sequences=samples
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.models.device import synchronize
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.rollout.engine import Engine, EngineConfig
 from posttrain.rollout.types import Request, SamplingParams
@@ -31,16 +32,20 @@ TOPICS = ["What is 2+2?", "Write a haiku about the sea.", "Explain gravity to a 
           "Why is the sky blue? Answer briefly, then give one fun fact about light.", "Name a prime number."]
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5, device: str | torch.device = "cpu") -> float:
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(reps))
+    best = min(_timed(lambda: a @ b, device) for _ in range(reps))
     return 2 * n**3 / best
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: str | torch.device = "cpu") -> float:
+    """Wall seconds of fn(), waiting for queued GPU work before and after."""
+    device = torch.device(device)
+    synchronize(device)
     t = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - t
 
 
@@ -59,6 +64,75 @@ def decode_flops(model, prompt_lens: list[int], samples: int, new_tokens: int) -
     return total
 
 
+def chat_prompts(tok, count: int) -> list[list[int]]:
+    msgs = [TOPICS[i % len(TOPICS)] for i in range(count)]
+    return [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
+
+
+def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64, repeats: int = 2) -> dict:
+    """Time HF generate and the engine on the same jobs, on the model's device; returns the result dict."""
+    device = next(model.parameters()).device
+    ids = chat_prompts(tok, prompts)
+    lens = [len(p) for p in ids]
+    n_tokens = prompts * samples * new_tokens
+
+    # HF: one left-padded batch, num_return_sequences = samples
+    tok.padding_side = "left"
+    enc = tok.pad({"input_ids": ids}, return_tensors="pt").to(device)
+    hf_kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "num_return_sequences": samples,
+                 "max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "pad_token_id": tok.pad_token_id}
+
+    def run_hf():
+        with torch.inference_mode():
+            out = model.generate(**enc, **hf_kwargs)
+        assert out.shape == (prompts * samples, enc["input_ids"].shape[1] + new_tokens), out.shape
+
+    cfg = EngineConfig(max_num_seqs=prompts * samples, max_model_len=max(lens) + new_tokens + 1,
+                       kv_cache_mb=2048, max_prefill_tokens=8192)
+    engine = Engine(model, tok, cfg)
+    params = SamplingParams(n=samples, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+
+    def run_engine():
+        engine.reset_prefix_cache()  # every repeat prefills its prompts again (weights unchanged: no repacking)
+        outs = engine.generate([Request(p, params) for p in ids])
+        got = sum(len(s.token_ids) for o in outs for s in o.samples)
+        assert got == n_tokens, got
+
+    # warm-up (allocator, oneDNN kernels / CUDA context) on a small job for both
+    with torch.inference_mode():
+        model.generate(**tok.pad({"input_ids": ids[:1]}, return_tensors="pt").to(device), **{**hf_kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+    engine.generate([Request(ids[0], SamplingParams(n=2, max_new_tokens=4, ignore_eos=True))])
+
+    hf_t, en_t, en_metrics = [], [], None
+    for _ in range(repeats):
+        hf_t.append(_timed(run_hf, device))
+        engine.stats.__init__()
+        en_t.append(_timed(run_engine, device))
+        if en_t[-1] == min(en_t):
+            en_metrics = engine.metrics()
+    peak = matmul_peak(next(model.parameters()).dtype, device=device)
+    flops = decode_flops(model, lens, samples, new_tokens)
+    hf_tps, en_tps = n_tokens / min(hf_t), n_tokens / min(en_t)
+    return {
+        "device": str(device), "threads": torch.get_num_threads(), "prompts": prompts, "samples": samples,
+        "new_tokens": new_tokens, "prompt_lens": lens, "tokens": n_tokens,
+        "hf_seconds": hf_t, "engine_seconds": en_t, "hf_tokens_per_s": hf_tps, "engine_tokens_per_s": en_tps,
+        "speedup": en_tps / hf_tps, "engine_metrics": en_metrics,
+        "matmul_peak_gflops": peak / 1e9, "decode_gflops": flops / en_metrics["decode_s"] / 1e9,
+        "decode_flops_over_peak": flops / en_metrics["decode_s"] / peak,
+    }
+
+
+def report(result: dict, dtype: str) -> None:
+    r, m = result, result["engine_metrics"]
+    print(f"model {r['model']} on {r['device']}  threads {r['threads']}  {r['prompts']} prompts x {r['samples']} samples x {r['new_tokens']} tokens = {r['tokens']} tokens")
+    print(f"HF generate     : {r['hf_tokens_per_s']:8.1f} tok/s   (best of {len(r['hf_seconds'])}: {min(r['hf_seconds']):.2f} s)")
+    print(f"posttrain engine: {r['engine_tokens_per_s']:8.1f} tok/s   (best of {len(r['engine_seconds'])}: {min(r['engine_seconds']):.2f} s; prefill {m['prefill_s']:.2f} s, decode {m['decode_s']:.2f} s)")
+    print(f"speedup         : {r['speedup']:.2f}x")
+    print(f"decode          : {r['decode_gflops']:.1f} GFLOP/s achieved / {r['matmul_peak_gflops']:.1f} GFLOP/s {dtype} matmul peak = {r['decode_flops_over_peak']:.1%}")
+    print(f"engine metrics  : {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -67,70 +141,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights, activations and KV cache, both sides (bf16: the CPU fast path on AMX)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)")
     ap.add_argument("--out", default="benchmarks/results/engine_vs_hf.json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model, tok = load_model(args.model, dtype=args.dtype), load_tokenizer(args.model)
-    model.eval()
-    msgs = [TOPICS[i % len(TOPICS)] for i in range(args.prompts)]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
-    lens = [len(p) for p in prompts]
-    n_tokens = args.prompts * args.samples * args.new_tokens
-
-    # HF: one left-padded batch, num_return_sequences = samples
-    tok.padding_side = "left"
-    enc = tok.pad({"input_ids": prompts}, return_tensors="pt")
-    hf_kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=args.samples,
-                     max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=tok.pad_token_id)
-
-    def run_hf():
-        with torch.inference_mode():
-            out = model.generate(**enc, **hf_kwargs)
-        assert out.shape == (args.prompts * args.samples, enc["input_ids"].shape[1] + args.new_tokens), out.shape
-
-    cfg = EngineConfig(max_num_seqs=args.prompts * args.samples, max_model_len=max(lens) + args.new_tokens + 1,
-                       kv_cache_mb=2048, max_prefill_tokens=8192)
-    engine = Engine(model, tok, cfg)
-    params = SamplingParams(n=args.samples, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-
-    def run_engine():
-        engine.reset_prefix_cache()  # every repeat prefills its prompts again (weights unchanged: no repacking)
-        outs = engine.generate([Request(p, params) for p in prompts])
-        got = sum(len(s.token_ids) for o in outs for s in o.samples)
-        assert got == n_tokens, got
-
-    # warm-up (allocator, oneDNN kernels) on a small job for both
-    with torch.inference_mode():
-        model.generate(**tok.pad({"input_ids": prompts[:1]}, return_tensors="pt"), **{**hf_kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-    engine.generate([Request(prompts[0], SamplingParams(n=2, max_new_tokens=4, ignore_eos=True))])
-
-    hf_t, en_t, en_metrics = [], [], None
-    for _ in range(args.repeats):
-        hf_t.append(_timed(run_hf))
-        engine.stats.__init__()
-        en_t.append(_timed(run_engine))
-        if en_t[-1] == min(en_t):
-            en_metrics = engine.metrics()
-    peak = matmul_peak(next(model.parameters()).dtype)
-    flops = decode_flops(model, lens, args.samples, args.new_tokens)
-    hf_tps, en_tps = n_tokens / min(hf_t), n_tokens / min(en_t)
-    result = {
-        "model": args.model, "threads": torch.get_num_threads(), "prompts": args.prompts, "samples": args.samples,
-        "new_tokens": args.new_tokens, "prompt_lens": lens, "tokens": n_tokens,
-        "hf_seconds": hf_t, "engine_seconds": en_t, "hf_tokens_per_s": hf_tps, "engine_tokens_per_s": en_tps,
-        "speedup": en_tps / hf_tps, "engine_metrics": en_metrics,
-        "matmul_peak_gflops": peak / 1e9, "decode_gflops": flops / en_metrics["decode_s"] / 1e9,
-        "decode_flops_over_peak": flops / en_metrics["decode_s"] / peak,
-    }
-    print(f"model {args.model}  threads {result['threads']}  {args.prompts} prompts x {args.samples} samples x {args.new_tokens} tokens = {n_tokens} tokens")
-    print(f"HF generate     : {hf_tps:8.1f} tok/s   (best of {hf_t and len(hf_t)}: {min(hf_t):.2f} s)")
-    print(f"posttrain engine: {en_tps:8.1f} tok/s   (best of {len(en_t)}: {min(en_t):.2f} s; prefill {en_metrics['prefill_s']:.2f} s, decode {en_metrics['decode_s']:.2f} s)")
-    print(f"speedup         : {result['speedup']:.2f}x")
-    print(f"decode          : {result['decode_gflops']:.1f} GFLOP/s achieved / {peak / 1e9:.1f} GFLOP/s {args.dtype} matmul peak = {result['decode_flops_over_peak']:.1%}")
-    print(f"engine metrics  : {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in en_metrics.items()})}")
+    model = load_model(args.model, dtype=args.dtype, device=args.device).eval()
+    result = {"model": args.model, **compare(model, load_tokenizer(args.model), args.prompts, args.samples, args.new_tokens, args.repeats)}
+    report(result, args.dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

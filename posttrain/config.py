@@ -93,7 +93,16 @@ def describe(cls: type[BaseModel], prefix: str = "") -> str:
     return "\n".join(lines)
 
 
+# TRL's names for our keys: suggested when a TRL user types theirs (only where the key exists here)
+TRL_NAMES = {"learning_rate": "optim.lr", "num_generations": "group_size", "max_completion_length": "sampling.max_new_tokens",
+             "per_device_train_batch_size": "micro_batch_size", "num_iterations": "ppo_epochs", "epsilon": "loss_args",
+             "max_grad_norm": "optim.max_grad_norm", "weight_decay": "optim.weight_decay", "bf16": "mixed_precision"}
+
+
 def _suggest(key: str, keys: list[str]) -> str:
+    trl = TRL_NAMES.get(key)
+    if trl is not None and (trl in keys or any(k.startswith(trl + ".") for k in keys)):
+        return f"; did you mean '{trl}'? (TRL calls it {key})"
     tail = key.rsplit(".", 1)[-1]
     exact = [k for k in keys if k.rsplit(".", 1)[-1] == tail]  # `lr` given for `optim.lr`
     close = exact or difflib.get_close_matches(key, keys, n=1, cutoff=0.5)

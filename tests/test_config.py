@@ -12,7 +12,7 @@ def test_overrides_and_dotted_keys(tmp_path):
     assert cfg.max_steps == 7 and cfg.optim.lr == 2e-4 and cfg.lora.r == 4 and cfg.lora.enabled and cfg.max_length == 64
 
 
-@pytest.mark.parametrize("arg,hint", [("max_step=3", "max_steps"), ("optim.lrr=1", "optim.lr"), ("lrr=1e-4", "optim.lr")])
+@pytest.mark.parametrize("arg,hint", [("max_step=3", "max_steps"), ("optim.lrr=1", "optim.lr"), ("learning_rate=1e-4", "optim.lr")])
 def test_unknown_key_suggests_nearest(arg, hint):
     with pytest.raises(ConfigError, match=f"did you mean '{hint}'"):
         parse_args(SFTConfig, [arg])

@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from posttrain.ops.sampling import counter_uniforms, process_logits, sample
+from posttrain.ops.sampling import (
+    counter_uniforms,
+    kept_logprobs,
+    process_logits,
+    sample,
+    sample_logits,
+    trainer_logprobs,
+)
 
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}  # chi-square critical values at p = 0.001
 
@@ -128,7 +135,6 @@ def test_sample_edges_never_pick_zero_probability(bad):
 
 
 def test_sample_logits_fast_paths_match_process_logits_and_sample():
-    from posttrain.ops.sampling import sample_logits
     torch.manual_seed(0)
     N, V = 12, 1000
     logits = torch.randn(N, V) * 3
@@ -140,6 +146,102 @@ def test_sample_logits_fast_paths_match_process_logits_and_sample():
     ref_lp = torch.cat([process_logits(logits[i:i + 1], temp[i], top_k[i], top_p[i]) for i in range(N)])
     assert tok.tolist() == sample(ref_lp, u).tolist()
     assert (lp - ref_lp.gather(1, tok[:, None]).squeeze(1)).abs().max() < 1e-5
+    tok2, lp2, kept = sample_logits(logits, temp, top_k, top_p, u, with_kept=True)
+    assert torch.equal(tok2, tok) and torch.equal(lp2, lp)
+    truncated = (temp > 0) & (((top_k > 0) & (top_k < V)) | (top_p < 1))
+    assert kept.tolist() == torch.where(truncated, torch.isfinite(ref_lp).sum(-1), 0).tolist()
     for i in range(N):  # a row's draw does not depend on the other rows (fast path chosen per row)
         t1, l1 = sample_logits(logits[i:i + 1], temp[i:i + 1], top_k[i:i + 1], top_p[i:i + 1], u[i:i + 1])
         assert t1.item() == tok[i].item() and l1.item() == lp[i].item()
+
+
+# ---------------------------------------------------------------- kept counts (engine set size -> trainer)
+
+
+def _kept(lp):
+    return torch.isfinite(lp).sum(-1)
+
+
+def test_kept_logprobs_equals_process_logits_for_every_kept_token():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 300, generator=g) * 2
+    logits[4, 7] = logits[4, 9] = logits[4].max() - 0.5  # a tie (kept by top_k=2 as a group of 3 with the max)
+    T = torch.tensor([0.7, 1.0, 1.3, 0.9, 1.0])
+    k, p = torch.tensor([10, 0, 40, 0, 2]), torch.tensor([1.0, 0.9, 0.8, 0.5, 1.0])
+    ref = process_logits(logits, T, k, p)
+    kept = _kept(ref)
+    assert kept[4] == 3
+    for r in range(5):
+        idx = torch.isfinite(ref[r]).nonzero().squeeze(1)  # every token of the kept set as the target
+        n = idx.numel()
+        got, _ = kept_logprobs(logits[r].expand(n, -1), T[r], kept[r].expand(n), idx)
+        # same set, same values: equal up to fp32 rounding (logsumexp over K values vs log_softmax over V)
+        torch.testing.assert_close(got, ref[r, idx], atol=1e-6, rtol=0)
+
+
+def test_kept_logprobs_hand_worked_target_outside_top_kept_and_plain_rows():
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    lp, ent = kept_logprobs(z, 1.0, torch.tensor([2, 2, 0]), torch.tensor([0, 3, 3]), with_entropy=True)
+    e = torch.tensor([3.0, 2.0, 1.0, 0.0]).double().exp()
+    # row 0: set {3, 2}; row 1: target 3 (value 0) replaces the smallest kept (value 2): set {3, 0};
+    # row 2: kept 0 = no truncation, plain softmax over all four
+    expect = [3 - math.log(e[0] + e[1]), 0 - math.log(e[0] + e[3]), 0 - math.log(e.sum())]
+    torch.testing.assert_close(lp, torch.tensor(expect, dtype=torch.float32), atol=1e-6, rtol=0)
+    q = e[[0, 3]] / (e[0] + e[3])
+    torch.testing.assert_close(ent[1], -(q * q.log()).sum().float(), atol=1e-6, rtol=0)
+    pf = e / e.sum()
+    torch.testing.assert_close(ent[2], -(pf * pf.log()).sum().float(), atol=1e-6, rtol=0)
+    lp2, _ = kept_logprobs(z * 2, 2.0, torch.tensor([2, 2, 0]), torch.tensor([0, 3, 3]))  # temperature divides
+    torch.testing.assert_close(lp2, lp, atol=1e-6, rtol=0)
+
+
+def test_kept_logprobs_ties_at_the_edge_do_not_depend_on_which_tied_index_is_picked():
+    z = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]] * 3)
+    lp, _ = kept_logprobs(z, 1.0, torch.tensor([2, 2, 2]), torch.tensor([1, 2, 3]))  # each tied token as target
+    expect = 1 - math.log(math.exp(2) + math.exp(1))
+    assert torch.allclose(lp, torch.full((3,), expect), atol=1e-6)
+
+
+def test_kept_logprobs_gradient():
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(4, 30, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    kept, targets = torch.tensor([3, 0, 5, 1]), torch.tensor([0, 7, 29, 11])
+    assert torch.autograd.gradcheck(lambda x: kept_logprobs(x, 0.8, kept, targets)[0], (logits,))
+    lp, _ = kept_logprobs(logits, 0.8, kept, targets)
+    lp.sum().backward()
+    grad = logits.grad
+    assert (grad != 0).sum(-1).tolist() == [3, 30, 5, 0]  # only the set's logits move (a set of 1: log p = 0)
+    assert torch.allclose(grad.sum(-1), torch.zeros(4, dtype=torch.float64), atol=1e-12)  # d/dz of (z_t - lse)
+
+
+def test_trainer_logprobs_paths():
+    g = torch.Generator().manual_seed(5)
+    logits, targets = torch.randn(6, 50, generator=g), torch.randint(0, 50, (6,), generator=g)
+    plain, ent = trainer_logprobs(logits, targets, 0.7, with_entropy=True)  # kept None, nothing truncates
+    full = torch.log_softmax(logits / 0.7, -1)
+    torch.testing.assert_close(plain, full.gather(1, targets[:, None]).squeeze(1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
+    zeros, _ = trainer_logprobs(logits, targets, 0.7, torch.zeros(6, dtype=torch.long), top_k=5)  # kept wins
+    torch.testing.assert_close(zeros, plain, atol=0, rtol=0)
+    fallback, _ = trainer_logprobs(logits, targets, 0.7, None, top_k=5)  # e.g. vLLM: process_logits
+    ref = process_logits(logits, 0.7, 5).gather(1, targets[:, None]).squeeze(1)
+    assert torch.equal(fallback, ref)
+    greedy, _ = trainer_logprobs(logits, logits.argmax(-1), 0.0, torch.zeros(6, dtype=torch.long))
+    assert greedy.tolist() == [0.0] * 6
+
+
+def test_nucleus_edge_token_survives_logit_noise_with_kept_counts():
+    """Regression: the engine draws the token at the top-p edge; the trainer's logits differ by 1e-6 (fp32
+    noise of another kernel). process_logits then cuts it (-inf); the kept count keeps it, near-equal."""
+    engine_logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = torch.softmax(engine_logits, -1)
+    mass_above_2 = torch.cumsum(probs, -1)[0, 1]  # as process_logits computes it: token 2 kept iff < top_p
+    top_p = torch.nextafter(torch.nextafter(mass_above_2, torch.tensor(1.0)), torch.tensor(1.0))  # 2 ulps above
+    tok, lp, kept = sample_logits(engine_logits, torch.ones(1), torch.zeros(1, dtype=torch.long), top_p.reshape(1),
+                                  torch.tensor([0.97], dtype=torch.float64), with_kept=True)
+    assert tok.item() == 2 and kept.item() == 3 and torch.isfinite(lp).all()  # drawn from {0, 1, 2}
+    trainer_logits = engine_logits + torch.tensor([[1e-6, 1e-6, 0.0, 0.0]])  # tokens 0, 1 gain ~1.6e-7 mass
+    old = process_logits(trainer_logits, 1.0, 0, top_p).gather(1, tok[:, None]).squeeze(1)
+    assert torch.isinf(old).all()  # the old recomputation drops the drawn token
+    new, _ = trainer_logprobs(trainer_logits, tok, 1.0, kept)
+    assert torch.isfinite(new).all() and (new - lp).abs().item() < 5e-6

@@ -33,7 +33,7 @@ def _result(group_ids, keep_group, inv):
     return FilterResult(
         indices=keep_sample.nonzero().squeeze(-1),
         kept_groups=uniq[keep_group],
-        num_groups=torch.tensor(uniq.numel(), dtype=torch.long),
+        num_groups=torch.tensor(uniq.numel(), dtype=torch.long, device=uniq.device),
         num_kept=keep_group.sum(),
     )
 

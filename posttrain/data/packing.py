@@ -8,7 +8,7 @@ The first token of every sample is never a target (it would be predicted from th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +57,15 @@ class Batch:
     def num_loss_tokens(self) -> int:
         return int((self.targets != IGNORE).sum())
 
+    def to(self, device: str | torch.device) -> Batch:
+        """The same batch with every tensor on `device` (collate builds on the CPU); self if already there."""
+        if self.input_ids.device == torch.device(device):
+            return self
+        mask = None if self.attention_mask is None else self.attention_mask.to(device, non_blocking=True)
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True), attention_mask=mask,
+                       position_ids=self.position_ids.to(device, non_blocking=True),
+                       targets=self.targets.to(device, non_blocking=True))
+
 
 def _targets(sample: Tokenized) -> list[int]:
     ids, mask = sample.input_ids, sample.loss_mask
@@ -68,7 +77,7 @@ def collate(rows: list[list[Tokenized]], pad_id: int, packed: bool, pad_to_multi
 
     The width is the longest row rounded up to `pad_to_multiple_of`: a handful of distinct shapes
     lets oneDNN reuse its JIT-compiled bf16 (AMX) matmul kernels instead of building new ones for
-    every micro-batch."""
+    every micro-batch. The tensors are built on the CPU: move them with `Batch.to(device)`."""
     width = max(sum(len(s) for s in row) for row in rows)
     width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     ids, pos, tgt, att, lengths = [], [], [], [], []

@@ -23,11 +23,16 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():  # GPU generators (dropout, sampling on CUDA), one per device
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 

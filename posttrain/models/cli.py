@@ -13,6 +13,7 @@ def main(argv: list[str]) -> None:
         for name, spec in REAL_MODELS.items():
             state = "fetched" if (real_model_dir(name) / "config.json").is_file() else "not fetched"
             print(f"{name:24s} {spec['summary']} [{state}: {real_model_dir(name)}]")
+        print(f"{'org/name':24s} a Hugging Face Hub id: loaded from the HF cache (also offline), or downloaded when the Hub is reachable")
         return
     if argv[0] == "fetch" and len(argv) >= 2:
         from posttrain.models.fetch import fetch

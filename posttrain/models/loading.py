@@ -1,13 +1,21 @@
-"""Load a policy (and its tokenizer) from an HF folder, a built-in name or a tiny random config."""
+"""Load a policy (and its tokenizer) from an HF folder, a built-in name, a tiny random config or a Hub id.
+
+A Hub id (`org/name`, not an existing path) goes to transformers' `from_pretrained`: it loads from the
+Hugging Face cache (also offline, HF_HUB_OFFLINE=1) or downloads when the Hub is reachable; otherwise
+a UserError says which of the two failed and why.
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
 
 from posttrain.errors import UserError
 from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, TINY_TOKENIZER, build_tiny, real_model_dir
+from posttrain.models.device import resolve_device
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -21,8 +29,17 @@ def to_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve(name: str) -> Path | None:
-    """Folder for a name (None for tiny random models). Raises with a hint when missing."""
+# `org/name` (one slash, Hub-legal characters): read as a Hugging Face Hub id unless it is an existing path
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(name: str) -> bool:
+    return HUB_ID.fullmatch(name) is not None and not Path(name).exists()
+
+
+def resolve(name: str) -> Path | str | None:
+    """Folder for a name, the name itself for a Hub id (`org/name`), None for tiny random models.
+    Raises with a hint when a folder or built-in model is missing."""
     if name in TINY_CONFIGS:
         return None
     if name in REAL_MODELS:
@@ -35,38 +52,79 @@ def resolve(name: str) -> Path | None:
         if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
             raise UserError(f"{path}: no config.json (not a Hugging Face model folder)")
         return path
+    if is_hub_id(name):
+        return name
     known = ", ".join([*TINY_CONFIGS, *REAL_MODELS])
-    raise UserError(f"model '{name}' not found: give an HF folder or a built-in name ({known}); no hub downloads at run time")
+    raise UserError(f"model '{name}' not found: give an HF folder, a built-in name ({known}) or a Hub id (org/name)")
+
+
+def _hub_error(name: str, err: BaseException) -> UserError:
+    """One readable line for a Hub id that could not be loaded (not cached, and offline or unknown)."""
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    chain = [err]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    root = chain[-1]
+    reason = " ".join(f"{type(root).__name__}: {root}".split())  # the underlying reason, on one line
+    where = "neither a local folder, a built-in name, nor in the Hugging Face cache"
+    if any(isinstance(e, (RepositoryNotFoundError, GatedRepoError)) for e in chain):
+        return UserError(f"model '{name}' is {where}, and the Hub has no public model of that name "
+                         f"(gated or private models need `hf auth login`): {reason}")
+    offline = " (HF_HUB_OFFLINE is set: no downloads)" if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") else ""
+    return UserError(f"model '{name}' is {where}, and the Hub could not be reached: {reason}{offline}")
+
+
+def _from_hub(load, name: str, **kwargs):
+    """`load(name)` for a Hub id: from the HF cache (works offline, HF_HUB_OFFLINE=1) or downloaded."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return load(name, **kwargs)
+    except (OSError, HfHubHTTPError) as e:
+        raise _hub_error(name, e) from e
 
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
 
     path = resolve(name)
-    tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER if path is None else path)
+    if isinstance(path, str):
+        tok = _from_hub(AutoTokenizer.from_pretrained, path)
+    else:
+        tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER if path is None else path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, varlen_attention: bool = True):
-    """A causal LM. PEFT adapter folders load with their base model.
-
-    `varlen_attention` switches attention to posttrain's per-sample SDPA for packed training rows
-    (ops/attention.py); generation and any other call still use the stock SDPA path.
-    """
+def _build(path: Path | str | None, name: str, dtype: torch.dtype, seed: int):
     from transformers import AutoModelForCausalLM
 
-    path = resolve(name)
-    dtype = to_dtype(dtype)
     if path is None:
-        model = build_tiny(name, seed=seed, dtype=dtype)
-    elif (path / "adapter_config.json").is_file():
+        return build_tiny(name, seed=seed, dtype=dtype)
+    if isinstance(path, str):
+        return _from_hub(AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
+    if (path / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        return AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, varlen_attention: bool = True,
+               device: str | torch.device | None = None):
+    """A causal LM (HF folder, built-in name or Hub id). PEFT adapter folders load with their base model.
+
+    `device` ('auto' | 'cpu' | 'cuda[:N]' | torch.device; None: stay on the CPU where it was built)
+    is where the model is moved. `varlen_attention` switches attention to posttrain's per-sample
+    SDPA for packed training rows (ops/attention.py) on every device: on CUDA its causal per-bucket
+    SDPA calls run the flash / memory-efficient kernels, which a block-diagonal mask would rule out.
+    Generation and any other call still use the stock SDPA path.
+    """
+    model = _build(resolve(name), name, to_dtype(dtype), seed)
+    if device is not None:
+        model = model.to(resolve_device(device))
     if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
         from posttrain.ops.attention import install
 

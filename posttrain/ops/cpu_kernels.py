@@ -9,7 +9,8 @@ order than PyTorch's reduction, so a few outputs move by a bf16 ulp (tests bound
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; ~30 s on the
 2-core CI machine), cached by PyTorch under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), and
 keyed by this machine's CPU flags since it is built with -march=native. If it cannot be built, the
-eager ops run instead (one warning). POSTTRAIN_CPU_KERNELS=0 turns the kernels off.
+eager ops run instead (one warning). POSTTRAIN_CPU_KERNELS=0 turns the kernels off. Tensors on any
+other device (CUDA) always take the eager ops, and never build the extension.
 
 Each function takes the same arguments as its `*_ref` twin and returns the same values.
 """
@@ -61,6 +62,8 @@ def load():
 
 
 def _usable(*ts: torch.Tensor) -> bool:
+    """The fused kernels take contiguous-row bf16 CPU tensors only; decided per call from the tensors
+    themselves, so CUDA tensors (or fp32 ones) take the eager ops and never trigger the build."""
     return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in ts) and load() is not None
 
 
@@ -80,7 +83,7 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> to
     return x * cos.unsqueeze(1) + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin_signed.unsqueeze(1)
 
 
-# ------------------------------------------------------------------ dispatch
+# ------------------------------------------------------------------ dispatch (fused for bf16 CPU tensors, eager otherwise)
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() == 2 and w.is_contiguous() and _usable(x, w):
         return _module.rmsnorm(x, w, eps)

@@ -11,7 +11,8 @@ the effect on a whole run).
 `keep_freed_memory()` raises both thresholds once per process (mallopt), so freed blocks are reused
 from the heap. The price: the process keeps its peak heap instead of returning it to the OS, as
 PyTorch's CUDA caching allocator does on GPU. It is process-wide; it does nothing off glibc (macOS,
-musl) or when POSTTRAIN_KEEP_FREED_MEMORY=0.
+musl) or when POSTTRAIN_KEEP_FREED_MEMORY=0. The engine calls it only when its model is on the CPU
+(CUDA tensors never come from malloc).
 """
 
 from __future__ import annotations

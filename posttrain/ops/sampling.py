@@ -23,6 +23,16 @@ given uniform in [0, 1). Tokens with probability 0 are never drawn. The uniforms
 `counter_uniforms(seed, sample_index, step)`: a stateless hash of (seed, sample index, token
 index), so a sample's tokens depend on its seed only, never on what else is in the batch, and a
 preempted sequence that is recomputed draws the same tokens again.
+
+Kept counts (train–inference consistency under truncation). Top-k/top-p decide set membership by
+comparisons, so float noise between the engine's logits and the trainer's (different kernels and
+summation orders) can move a token at the edge of the kept set to the other side: the trainer's
+`process_logits` then gives -inf, or renormalises over a different set, for a token the engine drew.
+So the engine also records, per drawn token, `kept` = the size of the set it was drawn from (tokens
+with finite log-prob, ties included; 0 = not truncated), and the trainer recomputes with
+`kept_logprobs` / `trainer_logprobs`: log_softmax over the `kept` largest values of its own
+logits / temperature, the drawn token always among them. Both sides then use sets of the same size
+that contain the drawn token, and differ only by logit noise.
 """
 
 from __future__ import annotations
@@ -103,8 +113,10 @@ def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256, wit
 
 
 def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of `logits` (N, V) and return (tokens (N,), their behaviour log-probs (N,)).
+                  uniforms: torch.Tensor, with_kept: bool = False):
+    """Draw one token per row of `logits` (N, V) and return (tokens (N,), their behaviour log-probs (N,)),
+    plus, with `with_kept`, the kept counts (N,) long: the size of the set each token was drawn from
+    (see `kept_logprobs`; 0 for greedy and plain rows, which are not truncated).
 
     The same distribution as `sample(process_logits(logits, T, k, p), uniforms)`, with fast paths
     chosen per row from the row's own parameters (so a row's draw never depends on its neighbours):
@@ -117,6 +129,8 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     N, V = logits.shape
     tok = torch.empty(N, dtype=torch.long, device=logits.device)
     lp = torch.empty(N, dtype=torch.float32, device=logits.device)
+    kept = torch.zeros(N, dtype=torch.long, device=logits.device)
+    out = (tok, lp, kept) if with_kept else (tok, lp)
     greedy = temperature == 0
     plain = ~greedy & ((top_k <= 0) | (top_k >= V)) & (top_p >= 1)
     rest = ~greedy & ~plain
@@ -134,7 +148,7 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         t_, total = _inverse_cdf(y.exp(), u, with_total=True)  # weights exp(z - max), unnormalised
         l_ = y.gather(1, t_.unsqueeze(1)).squeeze(1) - total.log().float()
         if rows is None:
-            return t_, l_
+            return (t_, l_, kept) if with_kept else (t_, l_)
         tok[rows], lp[rows] = t_, l_
     if bool(greedy.any()):
         rows = greedy.nonzero().squeeze(1)
@@ -145,7 +159,101 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         logprobs = process_logits(logits[rows], temperature[rows], top_k[rows], top_p[rows])
         t_ = sample(logprobs, uniforms[rows])
         tok[rows], lp[rows] = t_, logprobs.gather(1, t_.unsqueeze(1)).squeeze(1)
-    return tok, lp
+        kept[rows] = torch.isfinite(logprobs).sum(-1)
+    return out
+
+
+def kept_logprobs(logits: torch.Tensor, temperature, kept: torch.Tensor, targets: torch.Tensor,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs (M,) of `targets`, entropy (M,) or None) under the distribution the engine drew from,
+    given its kept counts. Differentiable in `logits` (the entropy is a detached metric).
+
+    logits (M, V) (computed in at least float32), temperature > 0 (scalar or (M,)), kept (M,) long,
+    targets (M,) long. Per row, with z = logits / temperature:
+    - kept == 0: not truncated, p = softmax(z) over the whole vocabulary;
+    - kept == k > 0: S = the k largest entries of z, where the target replaces the smallest of them
+      if it is not among them; p = softmax over S, 0 elsewhere (so log p(target) is always finite).
+    When `kept` is process_logits' kept-set size on the same logits, this equals process_logits up to
+    fp32 rounding (ties at the edge have equal values, so which tied index is picked does not matter).
+    """
+    M, V = logits.shape
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    temp = torch.as_tensor(temperature, dtype=z.dtype, device=z.device).expand(M)
+    if bool((temp <= 0).any()):
+        raise ValueError("kept_logprobs needs temperature > 0 (greedy tokens have log-prob 0 and no gradient)")
+    if not bool((temp == 1).all()):
+        z = z / temp.unsqueeze(-1)
+    kept = torch.as_tensor(kept, device=z.device).long().clamp(max=V)
+    trunc = kept > 0
+    if bool(trunc.all()):
+        return _topk_logprobs(z, kept, targets, with_entropy)
+    if not bool(trunc.any()):
+        return _full_logprobs(z, targets, with_entropy)
+    rows, rest = trunc.nonzero().squeeze(1), (~trunc).nonzero().squeeze(1)
+    lp_t, ent_t = _topk_logprobs(z[rows], kept[rows], targets[rows], with_entropy)
+    lp_f, ent_f = _full_logprobs(z[rest], targets[rest], with_entropy)
+    logp = z.new_zeros(M).index_put((rows,), lp_t).index_put((rest,), lp_f)  # out of place: autograd flows
+    ent = z.new_zeros(M).index_put_((rows,), ent_t).index_put_((rest,), ent_f) if with_entropy else None
+    return logp, ent
+
+
+def _full_logprobs(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """log softmax(z)[target] = z_t - logsumexp(z) for rows z (R, V); entropy = -sum p log p (detached)."""
+    lse = torch.logsumexp(z, -1)
+    logp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+    ent = torch.special.entr(torch.softmax(z.detach(), -1)).sum(-1) if with_entropy else None
+    return logp, ent
+
+
+def _topk_logprobs(z: torch.Tensor, kept: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    """`kept_logprobs` on rows z (R, V) that are all truncated (kept (R,) in [1, V]).
+
+    With S_r the row's set: log p(t) = z_t - log sum_{j in S_r} exp(z_j), so d log p / d z_j = 1[j = t] - p_j
+    on S_r and 0 outside (autograd gets it through topk's and gather's scatter-backward). One topk with
+    K = max kept serves all rows (no full sort of V; (R, K) buffers instead of (R, V)); row r uses the
+    first kept[r] of its K sorted values. Entropy of the set: -sum_{j in S_r} p_j log p_j.
+    """
+    K = int(kept.max())
+    vals, idx = torch.topk(z, K, dim=-1)  # (R, K) descending, differentiable in z
+    pos = torch.arange(K, device=z.device)
+    inside = pos < kept.unsqueeze(1)  # (R, K): row r's set is its first kept[r] entries
+    z_t = z.gather(1, targets.unsqueeze(1))  # (R, 1) the target's value
+    missing = ~((idx == targets.unsqueeze(1)) & inside).any(1, keepdim=True)  # target not in the top kept[r]
+    vals = torch.where(missing & (pos == kept.unsqueeze(1) - 1), z_t, vals)  # it replaces the smallest kept
+    vals = vals.masked_fill(~inside, float("-inf"))
+    lse = torch.logsumexp(vals, -1)  # log of the set's normaliser
+    logp = z_t.squeeze(1) - lse
+    ent = torch.special.entr(torch.softmax(vals.detach(), -1)).sum(-1) if with_entropy else None
+    return logp, ent
+
+
+def trainer_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature=1.0, kept: torch.Tensor | None = None,
+                     top_k=0, top_p=1.0, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The trainer's behaviour/policy log-probs (M,) of `targets` (M,) under `logits` (M, V), and the
+    entropy (M,) (detached) or None. Differentiable in `logits`.
+
+    kept (M,) given (the engine's `Completion.kept_counts`, concatenated): `kept_logprobs` (exact set
+    size; top_k/top_p are then already encoded in it). kept None (a backend that does not report it,
+    e.g. vLLM) or temperature 0: `process_logits(logits, temperature, top_k, top_p)`, which is exact only
+    up to sets flipped by logit noise at the truncation edge (and temperature-only when nothing truncates).
+    """
+    M, V = logits.shape
+    if bool((torch.as_tensor(temperature) == 0).any()):
+        kept = None  # greedy rows: one-hot (log-prob 0 at the argmax), as the engine records them
+    elif kept is None and not _truncates(top_k, top_p, V):
+        kept = torch.zeros(M, dtype=torch.long)  # temperature only: logsumexp, no (M, V) log-prob tensor
+    if kept is not None:
+        return kept_logprobs(logits, temperature, kept, targets, with_entropy)
+    lp_all = process_logits(logits, temperature, top_k, top_p)  # (M, V), -inf outside the kept set
+    logp = lp_all.gather(1, targets.unsqueeze(1)).squeeze(1)
+    ent = torch.special.entr(lp_all.detach().exp()).sum(-1) if with_entropy else None
+    return logp, ent
+
+
+def _truncates(top_k, top_p, vocab_size: int) -> bool:
+    """Whether any row's top-k / top-p removes tokens (scalars or tensors, as process_logits takes them)."""
+    k, p = torch.as_tensor(top_k), torch.as_tensor(top_p)
+    return bool(((k > 0) & (k < vocab_size)).any() or (p < 1).any())
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

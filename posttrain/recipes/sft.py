@@ -23,6 +23,7 @@ from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
 from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
@@ -95,8 +96,9 @@ def make_units(samples: list[Tokenized], cfg: SFTConfig) -> list[list[Tokenized]
     return [[samples[i] for i in g] for g in groups]
 
 
-def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: bool, multiple: int = 1) -> list[Batch]:
-    return [collate(units[i : i + size], pad_id, packed, multiple) for i in range(0, len(units), size)]
+def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: bool, multiple: int = 1,
+                  device: str | torch.device = "cpu") -> list[Batch]:
+    return [collate(units[i : i + size], pad_id, packed, multiple).to(device) for i in range(0, len(units), size)]
 
 
 def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], list[dict]]:
@@ -126,7 +128,8 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig) -> fl
         return float("nan")
     model.eval()
     total, count = 0.0, 0
-    for b in micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False):
+    device = next(model.parameters()).device
+    for b in micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False, device=device):
         logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk, mixed_precision=cfg.mixed_precision)
         total += -logp.sum().item()
         count += logp.numel()
@@ -145,7 +148,7 @@ def write_samples(model, tok, convs: list[list[dict]], step: int, path: Path, ma
         for conv in convs:
             prompt = conv[: max(i for i, m in enumerate(conv) if m["role"] == "assistant")]
             ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            enc = tok(ids, add_special_tokens=False, return_tensors="pt")
+            enc = tok(ids, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
             out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
             completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             f.write(json.dumps({"step": step, "prompt": ids, "completion": completion, "reference": conv[len(prompt)]["content"]}) + "\n")
@@ -162,7 +165,7 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_p
     give exactly the gradient of one large batch. Returns the step loss (detached).
     """
     n_loss = sum(b.num_loss_tokens for b in batches)
-    total = torch.zeros(())
+    total = torch.zeros((), device=batches[0].input_ids.device)
     for b in batches:
         logp, _ = token_logprobs(model, b, chunk=chunk, mixed_precision=mixed_precision)
         loss = -logp.sum() / n_loss
@@ -173,6 +176,7 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_p
 
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; returns the summary written to the report."""
+    device = resolve_device(cfg.device)  # refuse an unusable device before any work
     existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
     resume_from = existing[-1] if existing else None
     out = setup_run(cfg, resume=cfg.resume)
@@ -182,7 +186,7 @@ def train(cfg: SFTConfig) -> dict:
     units = make_units(train_samples, cfg)
 
     measured = Measured()  # RSS baseline before the model exists
-    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed)
+    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -215,7 +219,7 @@ def train(cfg: SFTConfig) -> dict:
         # 1. data
         with timer("data"):
             step_units = [units[i] for i in sampler.take(cfg.batch_size)]
-            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of)
+            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of, device)
             n_loss = sum(b.num_loss_tokens for b in batches)
         # 2-3. forward + loss, normalised over the whole step
         with timer("forward_backward"):
@@ -228,6 +232,7 @@ def train(cfg: SFTConfig) -> dict:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+            synchronize(device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
         # 5. log
         n_tok = sum(b.num_tokens for b in batches)
         n_pad = sum(b.num_padding for b in batches)

@@ -26,9 +26,9 @@ class ScoreConfig(Config):
     """Score a JSONL file of completions with a reward or a weighted composition of rewards."""
 
     data: str = Field("", description="input .jsonl: one object per line with completion, optional prompt, and the rewards' columns")
-    reward: str = Field("", description="reward name or weighted composition, e.g. 'math:1.0,format:0.2' (posttrain score list=true shows names)")
+    reward: str = Field("", description="reward name or weighted composition, e.g. 'math:1.0,format:0.2' or 'math:1.0,my_rewards.py:brevity:0.1' (a function in your file; posttrain score list=true shows names)")
     output: str = Field("", description="output .jsonl: each input row plus `reward`, `rewards` and, on failure, `reward_errors`")
-    reward_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-reward options, e.g. \"{math: {require: answer_tag}, code: {partial: true}}\"")
+    reward_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-reward options, e.g. \"{math: {require: answer_tag}, code: {partial: true}}\"; for a file reward ('my_rewards.py:brevity') they are extra keyword arguments of the function")
     workers: int = Field(2, ge=1, description="verifier worker processes (killable; math and code run there)")
     batch_size: int = Field(256, ge=1, description="rows scored per call of the composed reward")
     list: bool = Field(False, description="print the registered rewards and exit")
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> None:
             spec = registry.get(name)
             cols = ", ".join(" or ".join(c) if isinstance(c, tuple) else c for c in spec.columns) or "-"
             print(f"  {name:18s} columns: {cols:16s} {spec.description}")
-        return None
+        return
     for key in ("data", "reward", "output"):
         if not getattr(cfg, key):
             raise UserError(f"missing key '{key}': posttrain score data=FILE.jsonl reward=NAME output=OUT.jsonl")
@@ -122,4 +122,4 @@ def main(argv: list[str]) -> None:
     if errors:
         print(f"{len(errors)} reward error(s); rows marked with reward_errors in {cfg.output}", file=sys.stderr)
         raise SystemExit(1)
-    return None
+    return

@@ -18,15 +18,27 @@ not None for a sample (TRL's nansum semantics; all None -> None), with per-rewar
 that raises or returns NaN/inf is never turned into 0: it raises `RewardError` naming the reward
 and the sample, or, with `on_error="record"`, the value becomes None and the error is listed in
 `last_errors` with the sample index.
+
+A reward can also live in the user's own file: `compose("math:1.0,my.py:brevity:0.1")` loads
+`brevity` from `my.py` (see `load_file_reward`); it is named `my.py:brevity` in metrics and errors.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib.util
+import inspect
 import math
+import re
+import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from posttrain.errors import UserError
 
@@ -40,6 +52,7 @@ class RewardSpec:
     columns: tuple[str, ...] = ()  # dataset columns the reward needs (any one of a tuple-of-alternatives entry)
     description: str = ""
     factory: Callable[..., RewardFn] | None = None  # builds a configured variant: factory(**options)
+    source: str = ""  # the file a user's reward was loaded from ("" for registered ones)
 
     def build(self, options: dict | None = None) -> RewardFn:
         if not options:
@@ -53,6 +66,8 @@ class RewardSpec:
 
 
 _REGISTRY: dict[str, RewardSpec] = {}
+_FILE_REWARDS: dict[str, RewardSpec] = {}  # 'file.py:function' -> the most recently loaded one
+_MODULES: dict[Path, ModuleType] = {}  # resolved path -> module: each file is executed once
 
 
 class RewardError(UserError):
@@ -87,16 +102,21 @@ def register(name: str, *, columns: tuple[str, ...] = (), description: str | Non
 
 def _load_builtins() -> None:
     # importing the modules registers their rewards
-    from posttrain.rewards import code, format, language, math as _math, shaping  # noqa: F401
+    from posttrain.rewards import code, format, language, shaping  # noqa: F401
+    from posttrain.rewards import math as _math  # noqa: F401
 
 
 def get(name: str) -> RewardSpec:
+    """A registered reward, or a file reward already loaded by `parse_spec`/`load_file_reward`."""
     _load_builtins()
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise UserError(f"unknown reward '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))})")
-    return _REGISTRY[name]
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _FILE_REWARDS:
+        return _FILE_REWARDS[name]
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise UserError(f"unknown reward '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))}; "
+                    "or a function in your file: path/to/file.py:function)")
 
 
 def names() -> list[str]:
@@ -122,29 +142,179 @@ def completion_text(completion: Any) -> str:
 
 
 def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:
-    """'math:1.0,format:0.2' | {'math': 1.0} | [('math', 1.0)] -> [(name, weight)]; weight defaults to 1."""
+    """'math:1.0,my.py:brevity:0.2' | {'math': 1.0} | [('math', 1.0)] -> [(name, weight)]; weight
+    defaults to 1. File rewards (`path.py:function`) are loaded here and named `file.py:function`."""
     if isinstance(spec, dict):
         items = list(spec.items())
     elif isinstance(spec, (list, tuple)):
         items = [(s, 1.0) if isinstance(s, str) else tuple(s) for s in spec]
     else:
-        items = []
-        for part in str(spec).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            name, _, w = part.partition(":")
-            try:
-                items.append((name.strip(), float(w) if w.strip() else 1.0))
-            except ValueError:
-                raise UserError(f"reward spec '{spec}': weight of '{name}' is not a number: {w!r}") from None
+        items = [_split_weight(part.strip()) for part in str(spec).split(",") if part.strip()]
     if not items:
         raise UserError(f"reward spec '{spec}' names no reward")
-    for name, w in items:
-        get(name)
-        if not math.isfinite(float(w)):
-            raise UserError(f"reward spec '{spec}': weight of '{name}' must be finite")
-    return [(n, float(w)) for n, w in items]
+    out: list[tuple[str, float]] = []
+    sources: dict[str, str] = {}  # two files with the same name and function would share metrics
+    for ref, w in items:
+        name = _resolve(str(ref).strip(), sources)
+        try:
+            weight = float(w) if str(w).strip() else 1.0
+        except (TypeError, ValueError):
+            raise UserError(f"reward spec '{spec}': weight of '{ref}' is not a number: {w!r}") from None
+        if not math.isfinite(weight):
+            raise UserError(f"reward spec '{spec}': weight of '{ref}' must be finite")
+        out.append((name, weight))
+    return out
+
+
+def _split_weight(part: str) -> tuple[str, str]:
+    """'math:0.5' -> ('math', '0.5'); 'dir/my.py:fn:0.5' -> ('dir/my.py:fn', '0.5')."""
+    ref = _file_ref(part)
+    if ref is None:
+        name, _, w = part.partition(":")
+        return name.strip(), w
+    path, rest = ref
+    fn, _, w = rest.partition(":")
+    return f"{path}:{fn}" if fn else path, w
+
+
+def _resolve(ref: str, sources: dict[str, str]) -> str:
+    """Check a reference and return the reward's name; a file reference loads the file."""
+    if _file_ref(ref) is None:
+        return get(ref).name
+    spec = load_file_reward(ref)
+    if sources.setdefault(spec.name, spec.source) != spec.source:
+        raise UserError(f"two file rewards are named '{spec.name}' ({sources[spec.name]} and {spec.source}): "
+                        "rename one file or function")
+    return spec.name
+
+
+# ---------------------------------------------------------------- rewards from the user's files
+
+_FILE_REF = re.compile(r"^(?P<path>.*?\.py)(?::(?P<rest>.*))?$")
+
+
+def _file_ref(text: str) -> tuple[str, str] | None:
+    """'dir/my.py:fn[:w]' -> ('dir/my.py', 'fn[:w]'); None when `text` names a registered reward."""
+    m = _FILE_REF.match(text.strip())
+    return (m["path"], m["rest"] or "") if m else None
+
+
+def file_reward_name(ref: str) -> str:
+    """The metric name of a file reference: 'dir/my.py:fn' -> 'my.py:fn'; other names unchanged."""
+    parsed = _file_ref(ref)
+    if parsed is None or not parsed[1]:
+        return ref
+    return f"{Path(parsed[0]).name}:{parsed[1].partition(':')[0]}"
+
+
+def load_file_reward(ref: str) -> RewardSpec:
+    """Load `function` from `path/to/file.py` ('path/to/file.py:function'; relative to the current
+    directory) as a reward named 'file.py:function'.
+
+    The function has TRL's signature `f(prompts, completions, **kwargs) -> list[float | None]` and
+    is called with keyword arguments: every dataset column (and `completion_ids` when the trainer
+    passes them) arrives as a keyword; a function without `**kwargs` receives only the ones it names.
+    It declares no required columns unless it has an attribute `columns = ("answer",)`. Options
+    (`compose(..., options={"file.py:function": {...}})`) are added as keyword arguments on every
+    call and win over a dataset column of the same name.
+    """
+    path_text, rest = _file_ref(ref) or (ref, "")
+    fn_name = rest.partition(":")[0].strip()
+    if not fn_name.isidentifier():
+        raise UserError(f"reward '{ref}': name the function in the file: {path_text}:FUNCTION[:WEIGHT]")
+    module, path = _load_module(path_text)
+    name = f"{path.name}:{fn_name}"
+    fn = _find_function(module, fn_name, path_text)
+    accepts = _keywords(fn, name)
+    columns = _declared_columns(fn, name)
+    doc = (inspect.getdoc(fn) or f"{fn_name} from {path}").split("\n")[0]
+    spec = RewardSpec(name, _FileReward(fn, {}, accepts, name), columns, doc,
+                      factory=lambda **options: _FileReward(fn, options, accepts, name), source=str(path))
+    _FILE_REWARDS[name] = spec
+    return spec
+
+
+def _load_module(path_text: str) -> tuple[ModuleType, Path]:
+    path = Path(path_text).expanduser().resolve()
+    if path in _MODULES:
+        return _MODULES[path], path
+    if not path.is_file():
+        raise UserError(f"reward file not found: {path_text} (looked for {path})")
+    # a unique module name per path: two `rewards.py` in different folders must not collide
+    stem = re.sub(r"\W", "_", path.stem)
+    mod_name = f"posttrain_user_reward_{stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up while it runs
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+        where = f":{lines[-1]}" if lines else ""
+        raise UserError(f"reward file {path_text}{where}: importing it failed: {type(e).__name__}: {e}") from e
+    _MODULES[path] = module
+    return module, path
+
+
+def _find_function(module: ModuleType, fn_name: str, path_text: str) -> Callable:
+    if not hasattr(module, fn_name):
+        funcs = sorted(n for n, v in vars(module).items()
+                       if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_"))
+        close = difflib.get_close_matches(fn_name, funcs, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise UserError(f"{path_text} has no function '{fn_name}'{hint} "
+                        f"(functions in it: {', '.join(funcs) or 'none'})")
+    fn = getattr(module, fn_name)
+    if not callable(fn):
+        raise UserError(f"{path_text}:{fn_name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _keywords(fn: Callable, name: str) -> set[str] | None:
+    """The keyword names `fn` accepts, or None when it takes **kwargs (or has no readable signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if "completions" not in names:
+        raise UserError(f"reward '{name}' must take `completions` as a keyword argument "
+                        "(TRL signature: f(prompts, completions, **kwargs))")
+    return names
+
+
+def _declared_columns(fn: Callable, name: str) -> tuple:
+    cols = getattr(fn, "columns", ())
+    cols = (cols,) if isinstance(cols, str) else cols
+    ok = isinstance(cols, (tuple, list)) and all(
+        isinstance(c, str) or (isinstance(c, tuple) and all(isinstance(a, str) for a in c)) for c in cols)
+    if not ok:
+        raise UserError(f"reward '{name}': `columns` must be a tuple of column names, got {cols!r}")
+    return tuple(cols)
+
+
+class _FileReward:
+    """A user's function called the TRL way (keywords), with its options added on every call."""
+
+    def __init__(self, fn: Callable, options: dict, accepts: set[str] | None, name: str):
+        unknown = sorted(set(options) - accepts) if accepts is not None else []
+        if unknown:
+            raise UserError(f"reward '{name}': no parameter named {', '.join(unknown)} "
+                            f"(it takes {', '.join(sorted(accepts))})")
+        self.fn, self.options, self.accepts, self.__name__ = fn, dict(options), accepts, name
+
+    def __call__(self, prompts, completions, **columns):
+        kwargs = {"prompts": prompts, "completions": completions, **columns, **self.options}
+        if self.accepts is not None:  # no **kwargs: pass only what it names (TRL would fail instead)
+            kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
+        return self.fn(**kwargs)
+
+    @property
+    def last_metrics(self):  # a function's own counters reach the metrics like a built-in's
+        return getattr(self.fn, "last_metrics", None)
 
 
 def _check_values(name: str, values: Any, n: int) -> tuple[list, list[tuple[int | None, str]]]:
@@ -179,7 +349,7 @@ def call_reward(name: str, fn: RewardFn, prompts: list, completions: list, colum
         vals = e.values if e.values is not None else [None] * n
         out, errs = _check_values(name, vals, n)
         return out, e.errors + errs
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure of a reward is reported, per sample
         if n <= 1:
             return [None] * n, [(0 if n else None, f"{type(e).__name__}: {e}")]
         out, errors = [], []
@@ -205,14 +375,18 @@ class ComposedReward:
 
     def __post_init__(self):
         self.__name__ = "+".join(n for n, _ in self.parts)
+        # options for a file reward may be keyed by its path as written ('dir/my.py:fn')
+        self.options = {file_reward_name(k): v for k, v in self.options.items()}
         unknown = set(self.options) - {n for n, _ in self.parts}
         if unknown:
             raise UserError(f"options given for rewards not in the composition: {sorted(unknown)}")
-        self.fns = {n: get(n).build(self.options.get(n)) for n, _ in self.parts}
+        # resolved now: a later load of another 'my.py:fn' must not change this composition
+        self.specs = {n: get(n) for n, _ in self.parts}
+        self.fns = {n: spec.build(self.options.get(n)) for n, spec in self.specs.items()}
 
     @property
     def columns(self) -> dict[str, tuple]:
-        return {n: get(n).columns for n, _ in self.parts}
+        return {n: spec.columns for n, spec in self.specs.items()}
 
     def __call__(self, prompts: list, completions: list, **columns) -> list[float | None]:
         n = len(completions)
@@ -246,7 +420,8 @@ class ComposedReward:
 
 def compose(spec: str | dict | list, on_error: str = "raise", options: dict | None = None) -> ComposedReward:
     """`compose("math:1.0,format:0.2", options={"math": {"require": "answer_tag"}})` -> a callable
-    reward with TRL's signature."""
+    reward with TRL's signature. Parts may be files: `compose("math,my.py:brevity:0.1",
+    options={"my.py:brevity": {"max_words": 50}})` (see `load_file_reward`)."""
     if on_error not in ("raise", "record"):
         raise ValueError("on_error must be 'raise' or 'record'")
     return ComposedReward(parse_spec(spec), on_error=on_error, options=dict(options or {}))

@@ -8,7 +8,8 @@ With maximum length Lmax and buffer Lcache:
 
 It is added to the task reward (compose "math:1,overlong:1"). L is the token count when the
 trainer passes `completion_ids` (TRL does), else the number of whitespace-separated words, or
-characters with unit="chars".
+characters with unit="chars". `overlong_defaults(max_new_tokens)` gives DAPO's proportions
+(Lcache = Lmax / 5) for a generation limit.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:
     if length <= max_len:
         return (soft - length) / cache_len
     return -1.0
+
+
+def overlong_defaults(max_new_tokens: int) -> dict:
+    """Options for `make_overlong_reward` scaled to the generation limit: Lmax = max_new_tokens and
+    Lcache = max_new_tokens / 5, DAPO's ratio (20,480-token limit with a 4,096-token soft buffer).
+    Pass `completion_ids` to the reward so that L is counted in tokens, like max_new_tokens."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    return {"max_len": max_new_tokens, "cache_len": max(1, round(max_new_tokens / 5))}
 
 
 def make_overlong_reward(max_len: int = 4096, cache_len: int = 512, unit: str = "auto"):

@@ -21,7 +21,7 @@ from posttrain.rollout.types import Request, SamplingParams
 class GenerateConfig(Config):
     """Sample completions for a file of prompts."""
 
-    model: str = Field("tiny-random", description="HF folder or built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2)")
+    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name)")
     data: str = Field("", description="prompts .jsonl: one object per line with `prompt` (string or [{role, content}] list)")
     output: str = Field("samples.jsonl", description="output .jsonl, one line per sample")
     backend: str = Field("builtin", pattern="^(builtin|hf|vllm)$", description="builtin (this engine), hf (transformers generate, reference), vllm (GPU)")
@@ -34,7 +34,7 @@ class GenerateConfig(Config):
     ignore_eos: bool = Field(False, description="do not stop at the end-of-sequence token")
     seed: int = Field(0, description="sampling seed; prompt i uses seed + i")
     dtype: str = Field("float32", description="model dtype: float32 | bfloat16 (GPU, or CPUs with AMX: ~2x faster decode here)")
-    device: str = Field("cpu", description="cpu or cuda")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto (cuda if a GPU is visible, else cpu) | cpu | cuda | cuda:N")
     max_num_seqs: int = Field(64, ge=1, description="builtin: sequences decoded together")
     max_model_len: int = Field(2048, ge=2, description="prompt + completion tokens per sequence")
     kv_cache_mb: float = Field(1024, gt=0, description="builtin: KV cache size in MiB")
@@ -65,7 +65,7 @@ def make_backend(cfg: GenerateConfig, model_name: str):
         b = VLLMBackend(path, dtype=cfg.dtype if cfg.dtype != "float32" else "bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len)
         return b, b.tokenizer
     tok = load_tokenizer(model_name)
-    model = load_model(model_name, dtype=cfg.dtype).to(cfg.device).eval()
+    model = load_model(model_name, dtype=cfg.dtype, device=cfg.device).eval()
     if cfg.backend == "hf":
         from posttrain.rollout.hf_backend import HFBackend
 

@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 
 from posttrain.config import Config
+from posttrain.models.device import is_cpu
 from posttrain.ops.host_memory import keep_freed_memory
 from posttrain.ops.sampling import counter_uniforms, sample_logits
 from posttrain.rollout.kv import BlockManager
@@ -95,7 +96,7 @@ class Engine:
         if num_blocks < per_seq_blocks:
             raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
         self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights, cfg.max_num_seqs if cfg.slot_kv else 0)
-        if self.runner.device.type == "cpu":
+        if is_cpu(self.runner.device):  # host malloc tuning; CUDA tensors use PyTorch's caching allocator instead
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
@@ -114,6 +115,7 @@ class Engine:
         self.has_stop_str = z(torch.bool)
         self.out_tok = torch.zeros(S, self.max_model_len, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(S, self.max_model_len, dtype=torch.float32, device=dev)
+        self.out_kept = torch.zeros(S, self.max_model_len, dtype=torch.int32, device=dev)  # kept-set sizes
         self._slot_seq: dict[int, Sequence] = {}
         self._rows = None  # cached LongTensor of running slots
 
@@ -271,10 +273,11 @@ class Engine:
     def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
         g = self.ngen[rows]
-        tok, lp = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows],
-                                counter_uniforms(self.seed[rows], self.sidx[rows], g))
+        tok, lp, kept = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows],
+                                      counter_uniforms(self.seed[rows], self.sidx[rows], g), with_kept=True)
         self.out_tok[rows, g] = tok
         self.out_lp[rows, g] = lp
+        self.out_kept[rows, g] = kept.int()
         self.ngen[rows] = g + 1
         self.ntok[rows] += 1
         self.last[rows] = tok
@@ -292,7 +295,8 @@ class Engine:
         st: _RequestState = s.request
         p, k = st.request.params, s.slot
         n = len(s.token_ids)
-        self.tables[k, :len(s.block_table)] = torch.tensor(s.block_table)
+        dev = self.tables.device  # host lists -> the engine's device explicitly (no implicit CPU tensors)
+        self.tables[k, :len(s.block_table)] = torch.tensor(s.block_table, device=dev)
         self.ntok[k], self.last[k], self.ngen[k] = n, s.token_ids[-1], s.num_generated
         self.max_new[k] = min(p.max_new_tokens, self.max_model_len - s.prompt_len)
         self.temp[k], self.topk[k], self.topp[k] = float(p.temperature), p.top_k, float(p.top_p)
@@ -302,10 +306,11 @@ class Engine:
             self.stop_ids = torch.cat([self.stop_ids, pad], 1)
         self.stop_ids[k] = -1
         if st.stop_ids:
-            self.stop_ids[k, :len(st.stop_ids)] = torch.tensor(st.stop_ids)
+            self.stop_ids[k, :len(st.stop_ids)] = torch.tensor(st.stop_ids, device=dev)
         if s.num_generated:  # resumed after preemption: restore its completion so far
-            self.out_tok[k, :s.num_generated] = torch.tensor(s.token_ids[s.prompt_len:])
-            self.out_lp[k, :s.num_generated] = torch.tensor(s.logprobs)
+            self.out_tok[k, :s.num_generated] = torch.tensor(s.token_ids[s.prompt_len:], device=dev)
+            self.out_lp[k, :s.num_generated] = torch.tensor(s.logprobs, dtype=torch.float32, device=dev)
+            self.out_kept[k, :s.num_generated] = torch.tensor(s.kept_counts, dtype=torch.int32, device=dev)
         self.has_stop_str[k] = bool(p.stop_strings)
         self._slot_seq[k] = s
 
@@ -313,6 +318,7 @@ class Engine:
         n = int(self.ngen[s.slot])
         s.token_ids = s.token_ids[:s.prompt_len] + self.out_tok[s.slot, :n].tolist()
         s.logprobs = self.out_lp[s.slot, :n].tolist()
+        s.kept_counts = self.out_kept[s.slot, :n].tolist()
 
     def _leave(self, s: Sequence) -> None:
         """A preempted sequence: keep its tokens; its slot may be reused."""
@@ -344,7 +350,8 @@ class Engine:
         st: _RequestState = s.request
         completion = s.token_ids[s.prompt_len:]
         text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer is not None else None
-        st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop)
+        kept = s.kept_counts if st.request.params.truncates(self.runner.embed.weight.shape[0]) else None
+        st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop, kept)
         st.remaining -= 1
         if st.remaining == 0:
             st.output.samples = [st.completions[j] for j in range(st.request.params.n)]

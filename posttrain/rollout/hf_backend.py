@@ -4,6 +4,8 @@ the built-in runner does not support).
 Behaviour log-probs come from `output_scores`, which are the logits after HF's own temperature /
 top-k / top-p warpers, i.e. the distribution HF sampled from. HF's top-p breaks ties by sort order
 where posttrain.ops.sampling keeps whole tied groups; everything else is the same definition.
+Kept counts (`Completion.kept_counts`, truncated requests only) are the number of finite processed
+scores per step: the size of the set HF actually sampled from.
 One `generate` call per request (num_return_sequences = n) under `torch.manual_seed(seed)`, so a
 request's samples do not depend on the other requests (they do depend on HF's RNG use, so they differ
 from the built-in engine's draws).
@@ -71,11 +73,14 @@ class HFBackend:
         finally:
             torch.random.set_rng_state(rng_state)
         new = res.sequences[:, ids.shape[1]:]  # (n, T)
+        kept = None
         if p.temperature == 0:  # one-hot distribution: log-prob 0 (posttrain.ops.sampling convention)
-            lp = torch.zeros(new.shape, dtype=torch.float32)
+            lp = torch.zeros(new.shape, dtype=torch.float32, device=new.device)
         else:
             scores = torch.stack(res.scores, 1).float()  # (n, T, V) processed logits
             lp = torch.log_softmax(scores, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            if p.truncates(scores.shape[-1]):
+                kept = torch.isfinite(scores).sum(-1)  # (n, T) size of the set each token was drawn from
         samples = []
         for j in range(p.n):
             toks, lps = new[j].tolist(), lp[j].tolist()
@@ -92,5 +97,6 @@ class HFBackend:
                         toks, lps, reason, stop = toks[:t + 1], lps[:t + 1], "stop", hit[0]
                         break
             text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
-            samples.append(Completion(j, toks, lps, reason, text, stop))
+            kc = None if kept is None else kept[j, :len(toks)].tolist()
+            samples.append(Completion(j, toks, lps, reason, text, stop, kc))
         return samples

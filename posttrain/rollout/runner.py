@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.errors import UserError
+from posttrain.models.device import is_cpu
 from posttrain.ops import cpu_kernels
 
 SUPPORTED = ("llama", "qwen2")
@@ -45,7 +46,7 @@ def check_supported(model) -> None:
 
 
 def _rmsnorm(x: torch.Tensor, mod) -> torch.Tensor:
-    return cpu_kernels.rmsnorm(x, mod.weight, mod.variance_epsilon)  # HF RMSNorm; one fused pass for bf16 on CPU
+    return cpu_kernels.rmsnorm(x, mod.weight, mod.variance_epsilon)  # HF RMSNorm; fused for bf16 CPU tensors, eager elsewhere (CUDA)
 
 
 class _Linear:
@@ -92,8 +93,11 @@ class _Linear:
 
 
 def _onednn_pack(w: torch.Tensor, batch_hint: int):
-    """`w` (out, in) in oneDNN's blocked layout for about `batch_hint` rows, or None off CPU / without the op."""
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
+    """`w` (out, in) in oneDNN's blocked layout for about `batch_hint` rows, or None off CPU / without the op.
+
+    Chosen by the weight's own device: oneDNN (mkldnn) ops run CPU tensors only, so CUDA weights take
+    the W^T path (cuBLAS) and `_Linear.__call__` never reaches torch.ops.mkldnn for them."""
+    if not is_cpu(w) or not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
@@ -202,7 +206,7 @@ class Runner:
     def kv_bytes_per_token(model, dtype=None) -> int:
         cfg = model.config
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        el = torch.empty((), dtype=dtype or next(model.parameters()).dtype).element_size()
+        el = (dtype or next(model.parameters()).dtype).itemsize
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * el
 
     # ------------------------------------------------------------ KV helpers
@@ -233,7 +237,7 @@ class Runner:
         nq, nk, D = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
         for i, layer in enumerate(self.layers):
             qkv = self.qkv[i](_rmsnorm(x, layer.input_layernorm))
-            qk = cpu_kernels.rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once
+            qk = cpu_kernels.rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once (eager off CPU)
             q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, nq + nk:].view(N, self.n_kv, D)
             if slots is not None:
                 self.k_cache[i].index_copy_(0, slots, k)

@@ -26,6 +26,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
 
+    def truncates(self, vocab_size: int | None = None) -> bool:
+        """Whether tokens are drawn from a truncated distribution (top-k and/or top-p, not greedy)."""
+        top_k_cuts = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
+        return self.temperature > 0 and (top_k_cuts or self.top_p < 1)
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
         if not isinstance(self.n, int) or self.n < 1:
@@ -60,6 +65,10 @@ class Completion:
     """One sample. `logprobs[i]` = log-prob of `token_ids[i]` under the processed distribution it was drawn from.
 
     finish_reason: "stop" (stop token or stop string), "length" (max_new_tokens or context full).
+    kept_counts[i]: the size of the truncated (top-k / top-p) set `token_ids[i]` was drawn from (tokens
+    with finite log-prob, ties included); the trainer recomputes log-probs over that many of its own
+    top logits (posttrain.ops.sampling.kept_logprobs) instead of re-deciding the cut. None when the
+    request did not truncate (greedy, or no top-k and top_p = 1) or the backend does not report it (vLLM).
     """
 
     index: int
@@ -68,6 +77,7 @@ class Completion:
     finish_reason: str
     text: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    kept_counts: list[int] | None = None
 
 
 @dataclass

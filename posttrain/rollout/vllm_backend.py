@@ -4,6 +4,9 @@ Uses the offline `LLM.generate` API with token-id prompts and `logprobs=0` (the 
 log-prob only). `logprobs_mode="processed_logprobs"` makes vLLM report log-probs of the distribution
 after temperature / top-k / top-p, i.e. the behaviour distribution (the default, raw_logprobs, is the
 untempered model distribution and would bias importance ratios). Needs vLLM >= 0.10.2.
+vLLM does not expose the size of the top-k / top-p set a token was drawn from, so
+`Completion.kept_counts` is None: the trainer then falls back to `process_logits` (trainer_logprobs
+with kept=None), which re-decides the cut on its own logits and can disagree at the edge.
 
 Checked by benchmarks/check_vllm_gpu.py on a GPU machine (not run in CI: CPU only).
 """

@@ -1,6 +1,8 @@
 """Synthetic task generators: deterministic, offline, with gold answers for verifiers.
 
-`data=arithmetic` gives 1,000 conversations; `data=arithmetic:200` gives 200. Rows carry the
+`data=arithmetic` gives 1,000 conversations; `data=arithmetic:200` gives 200. `single_digit_add`
+("What is 3 + 5? Answer with just the number.") draws from the 81 single-digit pairs;
+`single_digit_add:all` is each pair once (an evaluation set). Rows carry the
 columns every recipe understands: `messages` (SFT), `prompt` + `answer` (RL with a verifier).
 """
 
@@ -8,12 +10,14 @@ from __future__ import annotations
 
 import random
 
-from posttrain.data.tasks.arithmetic import arithmetic
+from posttrain.data.tasks.arithmetic import arithmetic, single_digit_add
 
-TASKS = {"arithmetic": arithmetic}
+TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add}
 
 
 def generate(name: str, seed: int = 1234) -> list[dict]:
     base, _, count = name.partition(":")
+    if count == "all":
+        return TASKS[base](None, random.Random(seed))
     n = int(count) if count else 1000
     return TASKS[base](n, random.Random(seed))

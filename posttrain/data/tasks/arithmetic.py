@@ -21,3 +21,22 @@ def arithmetic(n: int, rng: random.Random) -> list[dict]:
             "answer": str(value),
         })
     return rows
+
+
+DIGIT_PROMPT = "What is {a} + {b}? Answer with just the number."
+DIGIT_PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10)]  # the 81 single-digit problems
+
+
+def single_digit_add(n: int | None, rng: random.Random) -> list[dict]:
+    """Single-digit addition, answered with just the number (score it with `math` in `last_number`
+    mode). n rows drawn uniformly from the 81 pairs; n=None: each pair once, in order (an eval set)."""
+    pairs = DIGIT_PAIRS if n is None else [rng.choice(DIGIT_PAIRS) for _ in range(n)]
+    rows = []
+    for a, b in pairs:
+        question = DIGIT_PROMPT.format(a=a, b=b)
+        rows.append({
+            "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": str(a + b)}],
+            "prompt": [{"role": "user", "content": question}],
+            "answer": str(a + b),
+        })
+    return rows

@@ -1,0 +1,209 @@
+"""RL core: typed trajectories, the shared-prefix training layout, the phases' formula fixes, resume,
+bad rewards. Recipe runs use the tiny random model (see test_rl_recipe.py for the smoke runs)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import write_jsonl
+from posttrain.config import ConfigError, parse_args
+from posttrain.recipes import rl
+from posttrain.recipes import rl_phases as ph
+from posttrain.rewards.registry import RewardError, register
+from posttrain.rollout.trajectory import Trajectory, make_batches
+
+PROMPTS = [{"prompt": [{"role": "user", "content": f"Count to {d}, please."}]} for d in range(1, 9)]
+
+
+def run(tmp_path, *overrides, name="run"):
+    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
+    cfg = parse_args(rl.RLConfig, [
+        "model=tiny-random", f"data={data}", f"output_dir={tmp_path / name}", "reward=space_share",
+        "prompts_per_step=2", "group_size=4", "max_new_tokens=8", "optim.lr=2e-2", "max_steps=2",
+        "progress=false", *overrides,
+    ])
+    return rl.train(cfg), tmp_path / name
+
+
+def rows_of(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- rewards used below
+
+@register("space_share", description="test reward: share of spaces in the completion")
+def space_share(prompts, completions, **kw):
+    return [c.count(" ") / max(len(c), 1) for c in completions]
+
+
+@register("half_none", description="test reward: 1.0 on even samples, None (does not apply) on odd ones")
+def half_none(prompts, completions, **kw):
+    return [1.0 if i % 2 == 0 else None for i in range(len(completions))]
+
+
+@register("never_applies", description="test reward: always None")
+def never_applies(prompts, completions, **kw):
+    return [None] * len(completions)
+
+
+@register("nan_on_third", description="test reward: NaN on sample 2")
+def nan_on_third(prompts, completions, **kw):
+    return [math.nan if i == 2 else 0.5 for i in range(len(completions))]
+
+
+# ---------------------------------------------------------------- layout
+
+def traj(prompt, response, group, reward=None):
+    return Trajectory(prompt, response, torch.zeros(len(response)), group, reward=reward)
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2"])
+def test_shared_prefix_layout_equals_separate_forwards(name):
+    """A group's prompt computed once (completions attend to it, not to each other) gives every
+    completion token the log-prob of a plain forward of prompt + completion, and the same gradient.
+    fp32: only summation order differs (bucketed attention vs one sequence), ~1e-6."""
+    from posttrain.models.loading import load_model
+
+    model = load_model(name, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (7, 11)]
+    trajs = [traj(prompts[i // 3], torch.randint(5, 1000, (2 + 3 * i,), generator=g).tolist(), i // 3) for i in range(6)]
+    batches = make_batches(trajs, pad_id=0, token_budget=40)  # forces two micro-batches (one group each)
+    assert len(batches) == 2
+    got = [ph.policy_logps(model, b, 0.7, "none", truncated=False)[0] for b in batches]
+    sum(x.sum() for x in got).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = 0
+    for b, lp in zip(batches, got):
+        for i, t in enumerate(b.trajectories):
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            logits = model(ids).logits[0, len(t.prompt_ids) - 1:-1] / 0.7
+            ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(t.response_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(lp[i, : len(t.response_ids)].detach(), ref.detach(), atol=1e-5, rtol=0)
+            assert torch.all(lp[i, len(t.response_ids):] == 0)
+            total = total + ref.sum()
+    total.backward()
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_trajectory_loss_spans_and_prompt_counted_once():
+    t = Trajectory([1, 2, 3], [4, 5, 6, 7, 8], torch.zeros(3), 0, loss_spans=[(0, 2), (4, 5)])  # 6, 7: a tool's output
+    assert t.loss_positions() == [0, 1, 4]
+    b = make_batches([t, traj([1, 2, 3], [9, 9], 0)], pad_id=0, token_budget=100, pad_to_multiple_of=8)[0]
+    assert b.input_ids.shape == (1, 16)  # 3 + 5 + 2 = 10 tokens, padded to 16: the prompt once
+    assert b.targets.tolist() == [4, 5, 8, 9, 9]
+    assert b.hidden_index.tolist() == [2, 3, 6, 2, 8]  # the prompt's last position predicts both first tokens
+    assert b.mask.tolist() == [[True, True, True], [True, True, False]]
+    with pytest.raises(ValueError, match="behaviour"):
+        Trajectory([1], [2, 3], torch.zeros(1), 0)
+
+
+# ---------------------------------------------------------------- the formula bugs
+
+def test_none_reward_is_left_out_of_baseline_filter_and_loss():
+    from posttrain.algos import advantages
+
+    trajs = [traj([1], [2], 0, r) for r in (1.0, 0.0, None, None)] + [traj([1], [2], 1, r) for r in (1.0, None, None, 1.0)]
+    metrics = ph.assign_advantages(trajs, advantages.get("grpo"), mask_truncated=False)
+    a = [t.advantage for t in trajs]
+    # group 0 is [1, 0]: mean 0.5, unbiased std 0.7071 -> ±0.7071 (None counted as 0 gave mean 0.25)
+    assert a[0] == pytest.approx(0.5 / (0.5 ** 0.5 + 1e-6)) and a[1] == pytest.approx(-a[0])
+    assert a[2:] == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0] and [t.valid for t in trajs] == [True, True, False, False, True, False, False, True]
+    assert float(metrics["groups/zero_adv_frac"]) == 0.5
+    kept, dropped = ph.informative_groups(trajs)  # group 1's applicable rewards are all equal: no signal
+    assert {t.group for t in kept} == {0} and dropped == 1
+
+
+def test_logged_reward_mean_counts_only_applicable_rewards(tmp_path):
+    summary, out = run(tmp_path, "reward=half_none", "max_steps=1")
+    row = rows_of(out)[0]
+    assert row["reward/mean"] == 1.0 and row["reward/none_frac"] == 0.5  # None counted as 0 logged 0.5
+    assert summary["last_reward"] == 1.0
+
+
+def test_metric_names_from_two_phases_never_overwrite():
+    with pytest.raises(ValueError, match="reward/mean"):
+        rl.merge_metrics({"reward/mean": 1.0}, {"reward/mean": 0.5})
+
+
+def test_overlong_shaping_counts_tokens_against_the_generation_limit(tmp_path):
+    # max_new_tokens=8 -> Lmax 8, Lcache round(8/5) = 2; every sample runs to 8 tokens: R = (6 - 8)/2 = -1
+    summary, out = run(tmp_path, "reward=overlong", "ignore_eos=true", "max_steps=1")
+    assert rows_of(out)[0]["reward/mean"] == -1.0
+
+
+def test_reference_uses_the_temperature_only_distribution_under_top_k(tmp_path):
+    """A token the policy sampled can lie outside the reference's top-k: log π_ref must stay finite."""
+    summary, out = run(tmp_path, "top_k=3", "beta=0.1", "kl_estimator=k2", "max_steps=3")
+    for r in rows_of(out):
+        assert math.isfinite(r["kl"]) and math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]), r
+        assert r["consistency/dlogp_max"] < 1e-4  # the policy side is the truncated distribution, exactly
+
+
+def test_k1_in_the_loss_is_refused_and_loss_args_are_checked():
+    with pytest.raises(ConfigError, match="zero expected gradient"):
+        parse_args(rl.RLConfig, ["kl_estimator=k1", "beta=0.1"])
+    parse_args(rl.RLConfig, ["kl_estimator=k1", "beta=0"])  # no KL term: nothing to refuse
+    with pytest.raises(ConfigError, match="eps_hgh.*clip_higher|eps_high"):
+        parse_args(rl.RLConfig, ["algo=dapo", "loss_args={eps_hgh: 0.3}"])
+    assert parse_args(rl.RLConfig, ["algo=dapo", "loss_args={eps_high: 0.3}"]).loss_args == {"eps_high": 0.3}
+
+
+# ---------------------------------------------------------------- bad rewards, skipped steps
+
+def test_a_nan_reward_stops_the_run_naming_reward_and_sample(tmp_path):
+    with pytest.raises(RewardError, match=r"nan_on_third.*sample 2.*completion"):
+        run(tmp_path, "reward=nan_on_third")
+
+
+def test_a_step_where_no_reward_applies_is_logged_and_skipped(tmp_path):
+    summary, out = run(tmp_path, "reward=never_applies")
+    rows = rows_of(out)
+    assert [r["skipped"] for r in rows] == [1, 1] and summary["skipped_steps"] == 2
+    assert rows[0]["reward/mean"] is None and "loss" not in rows[0]
+
+
+# ---------------------------------------------------------------- resume, device
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    args = ("max_steps=4", "save_every=2", "beta=0.05", "kl_target=0.01")
+    _, full = run(tmp_path, *args, name="full")
+    real_step = rl.rl_step
+
+    def killed(run_, step):
+        if step == 3:
+            raise KeyboardInterrupt
+        return real_step(run_, step)
+
+    monkeypatch.setattr(rl, "rl_step", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, *args, name="cut")
+    monkeypatch.setattr(rl, "rl_step", real_step)
+    run(tmp_path, *args, "resume=true", name="cut")
+    a, b = rows_of(full), rows_of(tmp_path / "cut")
+    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_s"}  # noqa: E731
+    assert [drop(r) for r in a] == [drop(r) for r in b]
+    wa = load_file(full / "final" / "model.safetensors")
+    wb = load_file(tmp_path / "cut" / "final" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_each_phase_runs_on_the_configured_device(tmp_path, monkeypatch):
+    seen = []
+    real = ph.policy_logps
+
+    def spy(model, batch, *a, **k):
+        logp, ent = real(model, batch, *a, **k)
+        seen.append({batch.input_ids.device, batch.advantages.device, batch.behaviour_logp.device, logp.device,
+                     next(model.parameters()).device})
+        return logp, ent
+
+    monkeypatch.setattr(ph, "policy_logps", spy)
+    run(tmp_path, "device=cpu", "beta=0.05", "max_steps=1")
+    assert seen and all(s == {torch.device("cpu")} for s in seen)

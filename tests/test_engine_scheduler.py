@@ -138,7 +138,7 @@ def test_block_growth_timer_and_free():
     seq = seq[0]
     assert len(seq.block_table) == 1  # 3 tokens computed; the sampled 4th goes to position 3
     got = []
-    for step in range(10):  # decode step k writes position 3 + k
+    for _step in range(10):  # decode step k writes position 3 + k
         b = s.schedule()
         got.append([j for _, j, _ in b.new_blocks])
     # new blocks exactly when positions 4, 8, 12 are written (steps 1, 5, 9)

@@ -133,6 +133,6 @@ def test_bucket_plan_covers_every_token_once_and_bounds_padding():
     buckets, inverse = _plan((tuple((L, ()) for L in lengths),), sum(lengths))
     kept = torch.cat([idx.view(n, Lb).reshape(-1)[keep] for idx, n, Lb, keep in buckets])
     assert torch.equal(kept[inverse], torch.arange(sum(lengths)))  # each token exactly once, back in order
-    for idx, n, Lb, keep in buckets:
+    for _idx, n, Lb, keep in buckets:
         assert keep.numel() >= n * Lb * 0.75 ** 2 * 0.5  # padding bounded (ratio 0.75 per segment)
     assert len(buckets) < len(lengths)

@@ -9,7 +9,7 @@ from posttrain.config import parse_args
 from posttrain.data.packing import collate
 from posttrain.data.templates import render_messages
 from posttrain.models.loading import load_model
-from posttrain.recipes import sft
+from posttrain.recipes import lifecycle, sft
 
 MULTI_TURN = [
     {"messages": [{"role": "system", "content": "You add numbers."}, *conv(f"{a}+{b}?", f"{a + b}", "and double?", f"{2 * (a + b)}")["messages"]]}
@@ -76,7 +76,7 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_tok):
 def test_interrupted_run_resumes_exactly(tmp_path, monkeypatch):
     run(tmp_path, name="straight")
 
-    real_save = sft.save_checkpoint
+    real_save = lifecycle.save_checkpoint
 
     def save_then_die(run_dir, step, *a, **kw):
         path = real_save(run_dir, step, *a, **kw)
@@ -84,10 +84,10 @@ def test_interrupted_run_resumes_exactly(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated kill after checkpoint 4")
         return path
 
-    monkeypatch.setattr(sft, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(lifecycle, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, name="interrupted")
-    monkeypatch.setattr(sft, "save_checkpoint", real_save)
+    monkeypatch.setattr(lifecycle, "save_checkpoint", real_save)
     run(tmp_path, "resume=true", name="interrupted")
 
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")

@@ -22,16 +22,15 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
-from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
-from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
-from posttrain.monitor.report import write_report
+from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything, setup_run
+from posttrain.recipes.lifecycle import RunLifecycle
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
 PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"
@@ -177,9 +176,8 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_p
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; returns the summary written to the report."""
     device = resolve_device(cfg.device)  # refuse an unusable device before any work
-    existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
-    resume_from = existing[-1] if existing else None
-    out = setup_run(cfg, resume=cfg.resume)
+    life = RunLifecycle(cfg)
+    out = life.out
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
@@ -198,17 +196,15 @@ def train(cfg: SFTConfig) -> dict:
     sampler = EpochSampler(len(units), cfg.seed)
     pad_id = tok.pad_token_id
 
-    start, summary = 0, {}
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model, optimizer, scheduler)
+    state = life.restore(model, optimizer, scheduler)
+    start, summary = life.start, state.get("summary", {})
+    if state:
         sampler.load(state["sampler"])
-        start, summary = state["step"], state.get("summary", {})
     elif cfg.forgetting_probe:
         summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
     write_plan(out, plan_run(cfg, model, units, sampler, cfg.max_steps - start))
-    metrics = MetricsWriter(out / "metrics.jsonl", resume_step=start if resume_from else None)
-    if resume_from is None:
-        (out / "samples.jsonl").write_text("")
+    metrics = life.metrics()
+    life.fresh_file("samples.jsonl")
 
     timer = PhaseTimer()
     bar = progress(cfg.max_steps, start, "sft", cfg.progress)
@@ -252,20 +248,18 @@ def train(cfg: SFTConfig) -> dict:
         logged = metrics.write(done, row)
         bar.update(1)
         bar.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
-        if cfg.save_every and done % cfg.save_every == 0 and done != cfg.max_steps:
-            save_checkpoint(out, done, model, optimizer, scheduler,
-                            {"sampler": sampler.state(), "summary": summary}, keep=cfg.keep_checkpoints)
+        life.checkpoint(done, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary})
     bar.close()
 
     if cfg.max_steps > start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
-        save_checkpoint(out, cfg.max_steps, model, optimizer, scheduler,
-                        {"sampler": sampler.state(), "summary": summary}, keep=cfg.keep_checkpoints)
+        life.checkpoint(cfg.max_steps, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary},
+                        force=True)
     if cfg.forgetting_probe:
         summary["probe_loss_after"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
         if "probe_loss_before" in summary:
             summary["probe_loss_delta"] = summary["probe_loss_after"] - summary["probe_loss_before"]
-    save_final(model, tok, out / "final", lora=cfg.lora.enabled)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines() if l]
+    life.save_final(model, tok, lora=cfg.lora.enabled)
+    rows = life.history()
     summary.update({
         "steps": cfg.max_steps,
         "trainable_params": trainable,
@@ -281,14 +275,9 @@ def train(cfg: SFTConfig) -> dict:
         "wall_seconds_this_session": time.perf_counter() - t_run,
         "tokens_this_session": tokens_seen,
     })
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     plan = json.loads(write_measured(out, measured).read_text())
+    life.finish(summary, f"SFT — {cfg.model}", {"summary": summary, "plan vs measured": plan_comparison(plan)})
     summary["plan_vs_measured"] = plan_comparison(plan)
-    write_report(out, f"SFT — {cfg.model}", {
-        "summary": {k: v for k, v in summary.items() if k != "plan_vs_measured"},
-        "plan vs measured": summary["plan_vs_measured"],
-        "config": cfg.model_dump(mode="json"),
-    })
     return summary
 
 
@@ -322,17 +311,6 @@ def plan_comparison(plan: dict) -> dict:
         "seconds measured": meas["seconds"],
         "achieved FLOP/s": meas.get("achieved_flops_per_second"),
     }
-
-
-def save_final(model, tok, path: Path, lora: bool) -> None:
-    """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/."""
-    path.mkdir(parents=True, exist_ok=True)
-    if lora:
-        model.save_pretrained(path / "adapter")
-        tok.save_pretrained(path / "adapter")
-        model = model.merge_and_unload()
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
 
 
 def main(argv: list[str]) -> None:

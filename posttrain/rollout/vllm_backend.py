@@ -70,7 +70,7 @@ class VLLMBackend:
         if ok:
             results = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for _, r in ok],
                                         sampling_params=[self._params(r.params) for _, r in ok], use_tqdm=False)
-            for (out, r), res in zip(ok, results):
+            for (out, _r), res in zip(ok, results):
                 for j, c in enumerate(res.outputs):
                     toks = list(c.token_ids)
                     lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]

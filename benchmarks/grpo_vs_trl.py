@@ -1,0 +1,226 @@
+"""GRPO step time and reward: posttrain vs TRL's GRPOTrainer, alternating step by step in one process.
+
+Task: SmolLM2-135M-Instruct (fp32 weights, CPU) on single-digit addition ("What is a + b? Answer with
+just the number.", built-in `single_digit_add:2000`), reward `math` in `last_number` mode (the same
+function object on both sides: posttrain's reward is TRL-compatible). Settings, both sides:
+4 prompts x 8 samples per step (TRL: num_generations=8, per_device_train_batch_size=32 completions,
+gradient_accumulation_steps=1, so one generation batch of 32 completions per optimizer step), at most
+24 new tokens, temperature 1, top_p 1, top_k off, AdamW (fused) lr 5e-6 linear to 0 over --steps,
+no warmup, no weight decay, max_grad_norm 1, beta 0 (no reference model), one PPO epoch (TRL
+num_iterations=1), PPO clip 0.2, group-std advantages, per-sequence token-mean loss averaged over the
+sequences (posttrain grpo = seq_mean_token_mean; TRL loss_type="grpo" with the whole step in one
+micro-batch), no activation checkpointing, --precision bf16 (default: autocast bf16, fp32 weights;
+posttrain mixed_precision=bf16, TRL bf16=True) or fp32. Both sides see the same prompts in the same
+order: TRL's dataset is posttrain's prompt order (its EpochSampler), unshuffled.
+--trl-defaults keeps TRL's own GRPOConfig defaults for everything but the task (model, data, reward,
+batch shape, generation limit and sampling, lr and its schedule, steps, seed); the changes are printed.
+
+The sides alternate: a TRL callback runs one posttrain step (`rl.rl_step`) at every TRL step end.
+posttrain's step time is the wall time of rl_step; TRL's is the time between its step ends minus the
+posttrain step inside. The first --warmup steps of each side are not timed (oneDNN kernel builds,
+first-call costs). Prints mean/median s/step, both rewards per step, the last-5-steps mean reward, and
+finally `speedup: N.NNx` (TRL median s/step / posttrain median s/step).
+
+    .venv/bin/pip install -e '.[bench]'
+    .venv/bin/python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 2] [--precision bf16|fp32] [--trl-defaults]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
+REWARD_OPTIONS = {"math": {"mode": "last_number"}}
+
+
+def posttrain_config(args, out_dir: str):
+    from posttrain.recipes import rl
+
+    return rl.RLConfig.model_validate({
+        "model": MODEL, "data": "single_digit_add:2000", "output_dir": out_dir, "max_steps": args.steps,
+        "seed": args.seed, "algo": "grpo", "beta": 0.0, "reward": "math", "reward_args": REWARD_OPTIONS,
+        "prompts_per_step": PROMPTS, "group_size": GROUP, "ppo_epochs": 1, "dtype": "float32",
+        "mixed_precision": "bf16" if args.precision == "bf16" else "none", "device": "cpu",
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": MAX_NEW},
+        "optim": {"lr": LR, "schedule": "linear", "warmup_steps": 0, "warmup_ratio": 0.0, "min_lr_ratio": 0.0,
+                  "weight_decay": 0.0, "max_grad_norm": 1.0},
+        "samples_per_log": 0, "progress": False,
+    })
+
+
+def trl_settings(args) -> tuple[dict, dict]:
+    """(task settings, always passed; settings that make TRL match posttrain, dropped by --trl-defaults)."""
+    task = dict(
+        num_generations=GROUP, per_device_train_batch_size=PROMPTS * GROUP, gradient_accumulation_steps=1,
+        max_completion_length=MAX_NEW, temperature=1.0, top_p=1.0, top_k=0,
+        learning_rate=LR, lr_scheduler_type="linear", warmup_steps=0, max_steps=args.steps, seed=args.seed,
+        shuffle_dataset=False,  # the dataset is already in posttrain's prompt order
+        # run plumbing, no effect on the training maths
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True, log_completions=False,
+    )
+    equal = dict(
+        bf16=args.precision == "bf16", gradient_checkpointing=False, beta=0.0, num_iterations=1, epsilon=0.2,
+        loss_type="grpo", scale_rewards="group", max_grad_norm=1.0, optim="adamw_torch_fused", weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+    )
+    return task, equal
+
+
+def default_changes(equal: dict) -> dict:
+    """What --trl-defaults changes: {setting: (TRL default, the matched value)} where they differ."""
+    from trl import GRPOConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        defaults = GRPOConfig(output_dir=tmp, use_cpu=True, report_to="none")
+    out = {}
+    for k, v in equal.items():
+        d = getattr(defaults, k)
+        d = getattr(d, "value", d)  # enums (optim, scheduler)
+        if d != v:
+            out[k] = (d, v)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps of each side (the lr schedule spans them)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each side left out of the timing")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16"], help="both sides: bf16 autocast | fp32")
+    p.add_argument("--trl-defaults", action="store_true", help="TRL with its GRPOConfig defaults for everything but the task")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/grpo_vs_trl.json")
+    args = p.parse_args()
+    if args.steps <= args.warmup:
+        p.error("--steps must be larger than --warmup")
+    torch.set_num_threads(args.threads)
+
+    import datasets
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.recipes import rl
+    from posttrain.recipes.common import EpochSampler
+    from posttrain.rewards.registry import compose
+
+    task, equal = trl_settings(args)
+    changed = default_changes(equal) if args.trl_defaults else {}
+    print(f"threads={args.threads} model={MODEL} steps={args.steps} warmup={args.warmup} precision={args.precision} "
+          f"trl_defaults={args.trl_defaults}", flush=True)
+    if changed:
+        print("TRL defaults kept (default vs matched): "
+              + ", ".join(f"{k}={d!r} (vs {v!r})" for k, (d, v) in changed.items()), flush=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run = rl.setup(posttrain_config(args, f"{tmp}/posttrain"))
+        # TRL's dataset: the prompts posttrain's sampler will draw, in its order (no dynamic sampling: 4 per step)
+        order = EpochSampler(len(run.rows), args.seed).take(PROMPTS * args.steps)
+        ds = datasets.Dataset.from_list([{"prompt": run.rows[i].data["prompt"], "answer": run.rows[i].data["answer"]}
+                                         for i in order])
+        expected = [[run.rows[i].data["prompt"][-1]["content"] for i in order[k * PROMPTS:(k + 1) * PROMPTS]]
+                    for k in range(args.steps)]
+
+        reward = compose("math", options=REWARD_OPTIONS)
+        trl_prompts: list[list[str]] = []
+
+        def math(prompts, completions, **kw):  # the same reward; records TRL's prompts to check the order
+            trl_prompts.append([pr[-1]["content"] for pr in prompts[::GROUP]])
+            return reward(prompts, completions, **kw)
+
+        class Alternate(TrainerCallback):
+            """At every TRL step end: note TRL's step time, then run one posttrain step."""
+
+            def __init__(self):
+                self.mark, self.trl, self.pt, self.pt_rows, self.trainer = None, [], [], [], None
+
+            def on_train_begin(self, a, state, control, **kw):
+                self.mark = time.perf_counter()
+
+            def on_step_end(self, a, state, control, **kw):
+                t = time.perf_counter()
+                self.trl.append(t - self.mark)
+                row = rl.rl_step(run, len(self.pt))
+                t2 = time.perf_counter()
+                self.pt.append(t2 - t)
+                self.pt_rows.append(row)
+                trl_r = self.trainer._metrics["train"]["reward"][-1]  # this step's; TRL logs it after on_step_end
+                print(f"step {len(self.pt):3d}  trl {self.trl[-1]:6.2f}s  posttrain {self.pt[-1]:6.2f}s  "
+                      f"reward trl {trl_r:.3f} posttrain {row['reward/mean']:.3f}", flush=True)
+                self.mark = time.perf_counter()
+
+        alt = Alternate()
+        targs = GRPOConfig(output_dir=f"{tmp}/trl", **task, **({} if args.trl_defaults else equal))
+        trainer = GRPOTrainer(model=load_model(MODEL), reward_funcs=[math], args=targs, train_dataset=ds,
+                              processing_class=load_tokenizer(MODEL), callbacks=[alt])
+        trainer.remove_callback(PrinterCallback)  # our own per-step line instead of TRL's log dicts
+        alt.trainer = trainer
+        trl_gen: list[float] = []
+        generate_and_score = trainer._generate_and_score_completions
+
+        def timed_generate(*a, **kw):  # TRL's generation + scoring phase, for the breakdown
+            t = time.perf_counter()
+            out = generate_and_score(*a, **kw)
+            trl_gen.append(time.perf_counter() - t)
+            return out
+
+        trainer._generate_and_score_completions = timed_generate
+        trainer.train()
+        history = trainer.state.log_history
+
+    w = args.warmup
+    trl_rewards = [trl_reward_at(history, k + 1) for k in range(args.steps)]
+    pt_rewards = [r["reward/mean"] for r in alt.pt_rows]
+
+    def stats(times):
+        return {"mean_s": statistics.fmean(times), "median_s": statistics.median(times), "timed_steps": len(times)}
+
+    results = {
+        "trl": {**stats(alt.trl[w:]), "step_s": alt.trl, "generate_s": trl_gen, "rewards": trl_rewards,
+                "last5_reward": statistics.fmean(trl_rewards[-5:]), "version": __import__("trl").__version__},
+        "posttrain": {**stats(alt.pt[w:]), "step_s": alt.pt, "generate_s": [r.get("time/generate") for r in alt.pt_rows],
+                      "update_s": [r.get("time/update") for r in alt.pt_rows], "rewards": pt_rewards,
+                      "last5_reward": statistics.fmean(pt_rewards[-5:])},
+        "same_prompts": trl_prompts[: args.steps] == expected,
+        "trl_defaults_changed": {k: {"trl_default": d, "matched": v} for k, (d, v) in changed.items()},
+    }
+    speedup = results["trl"]["median_s"] / results["posttrain"]["median_s"]
+    results["speedup_median"] = speedup
+    results["speedup_mean"] = results["trl"]["mean_s"] / results["posttrain"]["mean_s"]
+
+    print(f"\n{'side':10s} {'mean s/step':>12s} {'median s/step':>14s} {'generate s':>11s} {'last-5 reward':>14s}")
+    for name in ("trl", "posttrain"):
+        r = results[name]
+        gen = [g for g in r["generate_s"][w:] if g is not None]
+        print(f"{name:10s} {r['mean_s']:12.2f} {r['median_s']:14.2f} {statistics.median(gen) if gen else float('nan'):11.2f} "
+              f"{r['last5_reward']:14.3f}")
+    print(f"same prompts in the same order: {results['same_prompts']}")
+    print(f"speedup (mean s/step): {results['speedup_mean']:.2f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), **results}, indent=1))
+    print(f"speedup: {speedup:.2f}x")
+
+
+def trl_reward_at(history: list[dict], step: int) -> float:
+    for h in history:
+        if h.get("step") == step and "reward" in h:
+            return h["reward"]
+    return float("nan")
+
+
+if __name__ == "__main__":
+    main()

@@ -189,7 +189,7 @@ def learnability(rewards: torch.Tensor, group_ids: torch.Tensor, *, weight: str 
 
 @registry.register("gae", level="token")
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
-        lam: float = 0.95, whiten: bool = False):
+        lam: float = 0.95, whiten: bool = False, last_value: torch.Tensor | None = None):
     """Generalised Advantage Estimation (Schulman et al. 2016) for PPO, over the loss-mask tokens.
 
         δ_t = r_t + γ V_{t'} − V_t            t' = next position with mask 1 (V = 0 after the last)
@@ -199,6 +199,8 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
     the recursion carries V and A across them unchanged (verl's multi-turn GAE), so γ counts
     generated tokens only. Rewards must sit on mask-1 tokens (usually the last generated one);
     a reward on a mask-0 position is ignored. Advantages/returns are 0 where mask is 0.
+    `last_value` (B,): V of the state after the last token, the bootstrap of a sample cut at the length
+    limit (its episode did not end); 0 (the default) for a finished one.
     Backward loop over T, vectorised over B. `whiten`: masked (A − mean)/std over the batch
     (returns are computed before whitening). Shapes: all (B, T); returns (advantages, returns).
     """
@@ -208,7 +210,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *
     rewards = token_rewards.detach().to(values.dtype)
     values = values.detach()
     B, T = values.shape
-    next_value = values.new_zeros(B)  # V_{t'}  (B,)
+    next_value = values.new_zeros(B) if last_value is None else last_value.detach().to(values.dtype)  # V_{t'}  (B,)
     last_adv = values.new_zeros(B)  # A_{t'}  (B,)
     adv = torch.zeros_like(values)
     for t in reversed(range(T)):

@@ -27,6 +27,9 @@ class AlgoPreset:
 
 
 RL_PRESETS: dict[str, AlgoPreset] = {
+    # PPO with a value model: token-level rewards (the KL folded in as k1), GAE, clipped value loss
+    "ppo": AlgoPreset("gae", "ppo", "token_mean", BETA_PRESETS["instructgpt"], False,
+                      "Schulman et al. 2017; Ouyang et al. 2022, InstructGPT"),
     "grpo": AlgoPreset("grpo", "ppo", "seq_mean_token_mean", BETA_PRESETS["deepseekmath"], False,
                        "Shao et al. 2024, DeepSeekMath"),
     "dr_grpo": AlgoPreset("dr_grpo", "ppo", "seq_mean_token_sum_norm", 0.0, False,
@@ -37,6 +40,11 @@ RL_PRESETS: dict[str, AlgoPreset] = {
     "rloo": AlgoPreset("rloo", "ppo", "token_mean", 0.0, False, "Ahmadian et al. 2024, Back to Basics"),
     "reinforce_pp": AlgoPreset("reinforce_pp", "ppo", "token_mean", 0.0, False, "Hu 2025, REINFORCE++"),
 }
+
+
+def uses_critic(preset: AlgoPreset) -> bool:
+    """Token-level advantages from a value model (GAE) instead of a group baseline."""
+    return preset.advantage == "gae"
 
 
 def rl_preset(algo: str) -> AlgoPreset:

@@ -37,7 +37,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int = 2,
+                    extras: dict | None = None) -> Path:
+    """`extras`: name -> (module, optimizer) saved beside the policy (PPO's value model)."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
@@ -47,6 +49,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
+    for name, (module, opt) in (extras or {}).items():
+        save_file(trainable_state(module), tmp / f"{name}.safetensors")
+        torch.save(opt.state_dict(), tmp / f"{name}_optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -63,9 +68,21 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None = None) -> dict:
     """Restore everything in place; returns state.json (step, data position, ...)."""
-    weights = load_file(path / "weights.safetensors")
+    _load_weights(path / "weights.safetensors", model)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    for name, (module, opt) in (extras or {}).items():
+        _load_weights(path / f"{name}.safetensors", module)
+        opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())
+
+
+def _load_weights(file: Path, model) -> None:
+    path = file.parent
+    weights = load_file(file)
     params = dict(model.named_parameters())
     missing = [n for n in weights if n not in params]
     if missing:
@@ -73,7 +90,3 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     with torch.no_grad():
         for n, t in weights.items():
             params[n].copy_(t)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    return json.loads((path / "state.json").read_text())

@@ -35,11 +35,12 @@ class RunLifecycle:
     def resuming(self) -> bool:
         return self.resume_from is not None
 
-    def restore(self, model, optimizer, scheduler) -> dict:
-        """Load the newest checkpoint in place (weights, optimizer, scheduler, RNG); returns its state."""
+    def restore(self, model, optimizer, scheduler, extras: dict | None = None) -> dict:
+        """Load the newest checkpoint in place (weights, optimizer, scheduler, RNG, `extras`: name ->
+        (module, optimizer)); returns its state."""
         if self.resume_from is None:
             return {}
-        state = load_checkpoint(self.resume_from, model, optimizer, scheduler)
+        state = load_checkpoint(self.resume_from, model, optimizer, scheduler, extras)
         self.start = state["step"]
         return state
 
@@ -53,11 +54,13 @@ class RunLifecycle:
             path.write_text("")
         return path
 
-    def checkpoint(self, done: int, model, optimizer, scheduler, state: dict, force: bool = False) -> None:
+    def checkpoint(self, done: int, model, optimizer, scheduler, state: dict, force: bool = False,
+                   extras: dict | None = None) -> None:
         """Save at every `save_every` steps, and always when `force` (the end of the run)."""
         every = self.cfg.save_every
         if force or (every and done % every == 0 and done != self.cfg.max_steps):
-            save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints)
+            save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints,
+                            extras=extras)
 
     def save_final(self, model, tok, lora: bool = False) -> Path:
         """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/."""

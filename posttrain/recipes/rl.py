@@ -1,4 +1,5 @@
-"""Online RL with a group baseline: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++.
+"""Online RL: PPO with a value model, and the group-baseline family (GRPO, Dr. GRPO, DAPO, GSPO, CISPO,
+RLOO, REINFORCE++).
 
 One step (`rl_step`) reads top to bottom; the phase names are the timer names:
     1. collect    G samples per prompt from the engine (behaviour log-probs kept) -> Trajectory;
@@ -6,6 +7,7 @@ One step (`rl_step`) reads top to bottom; the phase names are the timer names:
                   sampling drops groups without signal and refills (DAPO), capped retries
     2. advantage  outcome advantages from the registry over the applicable rewards
     3. reference  log π_ref on the loss tokens when β > 0 (no reference model at β = 0)
+       critic     PPO only: V(s_t) from the value model, token rewards (−β·k1, outcome at the end), GAE
     4. update     policy loss (+ β·KL) over the global batch, TIS when trainer and sampler differ
                   in precision, PPO epochs, AdamW; the engine picks up the new weights
     5. log        one metrics.jsonl row (reward, KL, lengths, clip fractions, entropy, consistency, time)
@@ -28,7 +30,7 @@ from pydantic import Field, model_validator
 from posttrain.algos import AdaptiveKLController, FixedKLController
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos import policy_losses
-from posttrain.algos.presets import RL_PRESETS, rl_preset
+from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
@@ -74,7 +76,16 @@ class RLConfig(CommonConfig):
     dynamic_sampling: bool | None = Field(None, description="drop groups whose rewards are all equal and refill (default: the algo's)")
     max_resample: int = Field(3, ge=0, description="extra generation rounds to refill after dynamic sampling")
     mask_truncated: bool = Field(False, description="leave samples cut at max_new_tokens out of the loss")
-    ppo_epochs: int = Field(1, ge=1, description="optimizer steps over each batch of samples (1 = strictly on-policy)")
+    ppo_epochs: int = Field(1, ge=1, description="passes over each batch of samples (1 = strictly on-policy)")
+    ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per pass (the batch split in whole micro-batches)")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: GAE discount γ")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE λ")
+    value_model: str = Field("", description="PPO: '' = a copy of the policy with a zero scalar head; or a reward model folder (AutoModelForSequenceClassification)")
+    critic_lr: float | None = Field(None, gt=0, description="PPO: value model learning rate (None = 10 × optim.lr)")
+    critic_warmup: int = Field(0, ge=0, description="PPO: first steps train only the value model")
+    vf_clip: float | None = Field(0.2, ge=0, description="PPO: value clipping range around the old values (None = unclipped)")
+    whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the step's tokens")
+    bootstrap_truncated: bool = Field(False, description="PPO: a sample cut at max_new_tokens continues from V after its last token (time-limit view) instead of ending there")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
@@ -91,7 +102,7 @@ class RLConfig(CommonConfig):
         if unknown:
             raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{loss}' (it takes {sorted(accepted)})")
         adv_registry.get(self.advantage or preset.advantage)
-        if self.kl_estimator == "k1" and self.resolved_beta > 0:
+        if self.kl_estimator == "k1" and self.resolved_beta > 0 and not uses_critic(preset):
             raise ValueError("kl_estimator=k1 in the loss has zero expected gradient on-policy (E_π[∇ log π] = 0): "
                              "use k3 (GRPO) or k2, or beta=0")
         if self.sampling.temperature <= 0:
@@ -132,6 +143,9 @@ class RLRun:
     tis_cap: float | None
     device: torch.device
     metrics: object = None
+    critic: object = None  # PPO's value model, its optimizer and schedule
+    critic_opt: object = None
+    critic_sched: object = None
     measured: Measured = field(default_factory=Measured)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
 
@@ -147,17 +161,20 @@ def rl_step(run: RLRun, step: int) -> dict:
     trajs, collect_metrics = collect(run, step)
     # 2. advantage over the applicable rewards
     with timer("advantage"):
-        adv_metrics = ph.assign_advantages(trajs, run.adv_fn, cfg.mask_truncated)
+        adv_metrics = ph.assign_advantages(trajs, None if run.critic else run.adv_fn, cfg.mask_truncated)
     if not any(t.valid for t in trajs):  # every reward None (or every sample masked): nothing to learn from
         return log_step(run, step, trajs, t0, {**collect_metrics, "skipped": 1})
     batches = make_batches(trajs, run.tok.pad_token_id, cfg.micro_batch_tokens, device=run.device)
-    # 3. reference (β > 0 only)
+    # 3. reference (β > 0 only); PPO: old log-probs, values, token rewards, GAE
     if run.ref is not None:
         with timer("reference"):
             ph.reference_logps(run.ref, batches, cfg)
+    if run.critic is not None:
+        with timer("critic"):
+            adv_metrics = critic_phase(run, batches)
     # 4. update
     with timer("update"):
-        update_metrics = update(run, batches)
+        update_metrics = update(run, batches, train_policy=step >= cfg.critic_warmup or run.critic is None)
     # 5. log
     return log_step(run, step, trajs, t0, {**collect_metrics, **adv_metrics, **update_metrics, "skipped": 0})
 
@@ -197,43 +214,96 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     return kept[: cfg.prompts_per_step * G] if run.dynamic else kept, metrics
 
 
-def update(run: RLRun, batches) -> dict:
-    """ppo_epochs optimizer steps over the batch; epoch 0 is on-policy (old = current, no recomputation)."""
-    cfg, model = run.cfg, run.model
+def critic_phase(run: RLRun, batches) -> dict:
+    """PPO: π_old (for the KL in the reward), V(s_t), token rewards and GAE advantages on the batches."""
+    cfg = run.cfg
     beta = run.kl_ctl.value if run.ref is not None else 0.0
-    norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in batches), 1),
-             "seqs": max(sum(int(b.valid.sum()) for b in batches), 1)}
-    losses, cons, ent = ph.TokenMeans(), {"dlogp_max": 0.0, "dlogp_sum": 0.0, "kl_sum": 0.0, "tokens": 0}, 0.0
-    max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-    lr, total, grad_norm = run.scheduler.get_last_lr()[0], 0.0, None
+    if beta > 0:
+        ph.old_logps(run.model, batches, cfg)
+    ph.critic_values(run.critic, batches, cfg.mixed_precision)
+    return ph.ppo_advantages(batches, beta, cfg.gamma, cfg.lam, cfg.whiten_advantages, cfg.bootstrap_truncated)
+
+
+def update(run: RLRun, batches, train_policy: bool = True) -> dict:
+    """ppo_epochs passes of ppo_minibatches optimizer steps; the first pass's first forward is
+    on-policy (old = current, no recomputation). PPO also trains the value model on the same batches;
+    during `critic_warmup` only the value model learns."""
+    cfg = run.cfg
+    beta = run.kl_ctl.value if (run.ref is not None and run.critic is None) else 0.0  # PPO: the KL is in the reward
+    stats = {"losses": ph.TokenMeans(), "critic": ph.TokenMeans(), "loss": 0.0, "entropy": 0.0,
+             "cons": {"dlogp_max": 0.0, "dlogp_sum": 0.0, "kl_sum": 0.0, "tokens": 0}, "grad_norm": None}
+    lr, beta_used = run.scheduler.get_last_lr()[0], (run.kl_ctl.value if run.ref is not None else 0.0)
+    minibatches = [batches[i::cfg.ppo_minibatches] for i in range(min(cfg.ppo_minibatches, len(batches)))]
     for epoch in range(cfg.ppo_epochs):
-        for b in batches:
-            logp, entropy = ph.policy_logps(model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True,
-                                            with_entropy=epoch == 0)
-            if epoch == 0:
-                b.old_logp = logp.detach()
-                c = ph.consistency(b, b.old_logp)
-                cons = {k: max(cons[k], c[k]) if k == "dlogp_max" else cons[k] + c[k] for k in cons}
-                ent += float((entropy * b.mask).sum())
-            loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, beta, cfg.kl_estimator, run.tis_cap, norms)
-            loss.backward()
-            total += float(loss.detach()) / cfg.ppo_epochs
-            losses.add(m, float(b.loss_mask.sum()))
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-        grad_norm = norm if grad_norm is None else grad_norm  # logged: the first (fully on-policy) update's
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    run.engine.sync_weights()  # the engine shares the weights: its packed copies and cached KV are stale now
-    out = losses.result()
+        for mb in minibatches:
+            norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
+                     "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
+            for b in mb:
+                if train_policy:
+                    policy_backward(run, b, epoch, beta, norms, stats)
+                if run.critic is not None:
+                    loss, m = ph.critic_loss(run.critic, b, cfg.mixed_precision, cfg.vf_clip, norms["tokens"])
+                    loss.backward()
+                    stats["critic"].add({"vf/loss": loss.detach() * norms["tokens"] / max(float(b.loss_mask.sum()), 1), **m},
+                                        float(b.loss_mask.sum()))
+            if train_policy:
+                norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm)
+                stats["grad_norm"] = norm if stats["grad_norm"] is None else stats["grad_norm"]
+            if run.critic is not None:
+                optimizer_step(run.critic, run.critic_opt, cfg.optim.max_grad_norm)
+    if train_policy:
+        run.scheduler.step()
+        run.engine.sync_weights()  # the engine shares the weights: its packed copies and cached KV are stale now
+    if run.critic_sched is not None:
+        run.critic_sched.step()
+    return update_metrics(run, stats, lr, beta_used, batches)
+
+
+def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: dict) -> None:
+    cfg = run.cfg
+    first = epoch == 0
+    logp, entropy = ph.policy_logps(run.model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True,
+                                    with_entropy=first)
+    if first:
+        if b.old_logp is None:  # on-policy: the old policy is the current one
+            b.old_logp = logp.detach()
+        c = ph.consistency(b, logp.detach())
+        cons = stats["cons"]
+        stats["cons"] = {k: max(cons[k], c[k]) if k == "dlogp_max" else cons[k] + c[k] for k in cons}
+        stats["entropy"] += float((entropy * b.mask).sum())
+    loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, beta, cfg.kl_estimator, run.tis_cap, norms)
+    loss.backward()
+    stats["loss"] += float(loss.detach()) / cfg.ppo_epochs
+    stats["losses"].add(m, float(b.loss_mask.sum()))
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float):
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def update_metrics(run: RLRun, stats: dict, lr: float, beta: float, batches) -> dict:
+    out = stats["losses"].result()
     kl = out.pop("kl/mean", 0.0)
-    if run.ref is not None:
-        seq_kl = kl * norms["tokens"] / norms["seqs"]  # nats per sequence, the controller's unit
-        run.kl_ctl.update(seq_kl, norms["seqs"])
-    n = max(cons["tokens"], 1)
-    return {"loss": total, "lr": lr, "grad_norm": grad_norm, "kl": kl, "beta": beta, "entropy": ent / n,
-            "consistency/dlogp_max": cons["dlogp_max"], "consistency/dlogp_mean": cons["dlogp_sum"] / n,
-            "consistency/kl_behaviour_trainer": cons["kl_sum"] / n, **out}
+    if run.ref is not None and run.critic is None:
+        tokens = sum(int(b.loss_mask.sum()) for b in batches)
+        seqs = max(sum(int(b.valid.sum()) for b in batches), 1)
+        run.kl_ctl.update(kl * tokens / seqs, seqs)  # nats per sequence, the controller's unit
+    if run.critic is not None and run.ref is not None:  # PPO: KL(π_old ‖ π_ref) from the reward's k1 terms
+        k1 = torch.cat([(b.old_logp - b.ref_logp)[b.loss_mask] for b in batches])
+        kl = float(k1.mean())
+        seqs = max(sum(int(b.valid.sum()) for b in batches), 1)
+        run.kl_ctl.update(float(k1.sum()) / seqs, seqs)
+    cons, n = stats["cons"], max(stats["cons"]["tokens"], 1)
+    row = {"lr": lr, "kl": kl, "beta": beta, **out, **stats["critic"].result()}
+    if stats["grad_norm"] is not None:
+        row.update({"loss": stats["loss"], "grad_norm": stats["grad_norm"], "entropy": stats["entropy"] / n,
+                    "consistency/dlogp_max": cons["dlogp_max"], "consistency/dlogp_mean": cons["dlogp_sum"] / n,
+                    "consistency/kl_behaviour_trainer": cons["kl_sum"] / n})
+    return row
 
 
 def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics: dict) -> dict:
@@ -301,15 +371,36 @@ def setup(cfg: RLConfig) -> RLRun:
                 policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
                 preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling,
                 default_tis_cap(cfg), device, measured=measured)
-    state = life.restore(model, optimizer, scheduler)
+    if uses_critic(preset):
+        build_critic(run)
+    state = life.restore(model, optimizer, scheduler, extras=critic_extras(run))
     if state:
         run.sampler.load(state["sampler"])
         kl_ctl.value = state.get("beta", kl_ctl.value)
+        if run.critic_sched is not None:
+            run.critic_sched.load_state_dict(state["critic_scheduler"])
         engine.sync_weights()
     write_plan(life.out, plan_run(cfg, model, beta, tok, rows))
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
     return run
+
+
+def build_critic(run: RLRun) -> None:
+    """PPO's value model (from the policy or a reward model folder), its AdamW and schedule."""
+    from posttrain.models.value import value_model_from_policy, value_model_from_reward_model
+
+    cfg = run.cfg
+    if cfg.value_model:
+        run.critic = value_model_from_reward_model(cfg.value_model, run.device)
+    else:
+        run.critic = value_model_from_policy(run.model)
+    lr = cfg.critic_lr or 10 * cfg.optim.lr
+    run.critic_opt, run.critic_sched = build_optimizer(run.critic, cfg.optim.model_copy(update={"lr": lr}), cfg.max_steps)
+
+
+def critic_extras(run: RLRun) -> dict | None:
+    return {"value": (run.critic, run.critic_opt)} if run.critic is not None else None
 
 
 def train(cfg: RLConfig) -> dict:
@@ -319,20 +410,27 @@ def train(cfg: RLConfig) -> dict:
         logged = rl_step(run, step)
         bar.update(1)
         bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
-        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run))
+        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
+                            extras=critic_extras(run))
     bar.close()
     return finish(run)
 
 
 def checkpoint_state(run: RLRun) -> dict:
-    return {"sampler": run.sampler.state(), "beta": run.kl_ctl.value}
+    state = {"sampler": run.sampler.state(), "beta": run.kl_ctl.value}
+    if run.critic_sched is not None:
+        state["critic_scheduler"] = run.critic_sched.state_dict()
+    return state
 
 
 def finish(run: RLRun) -> dict:
     cfg, life = run.cfg, run.life
     if cfg.max_steps > life.start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
-        life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True)
-    life.save_final(run.model, run.tok)
+        life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
+                        extras=critic_extras(run))
+    final = life.save_final(run.model, run.tok)
+    if run.critic is not None:
+        run.critic.save_pretrained(final / "value")
     plan = json.loads(write_measured(life.out, run.measured).read_text())
     history = life.history()
     preset = rl_preset(cfg.algo)
@@ -381,7 +479,9 @@ def load_reference(model):
 def plan_run(cfg: RLConfig, model, beta: float, tok, rows) -> dict:
     """Planner prediction for the run; tokens assume every sample runs to max_new_tokens."""
     prompt_len = round(sum(len(render_prompt(tok, r.data["prompt"])) for r in rows) / len(rows))
-    return predict(unwrap(model).config, "grpo", batch=cfg.prompts_per_step, group=cfg.group_size,
+    method = "ppo" if uses_critic(rl_preset(cfg.algo)) else "grpo"
+    extra = {"value_model": True} if method == "ppo" else {}
+    return predict(unwrap(model).config, method, **extra, batch=cfg.prompts_per_step, group=cfg.group_size,
                    seq_len=cfg.sampling.max_new_tokens, prompt_len=prompt_len, beta=beta, reward="verifier",
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
                    steps=max(cfg.max_steps, 1), logit_copies=0)

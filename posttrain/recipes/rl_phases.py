@@ -76,18 +76,17 @@ def informative_groups(trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
 def assign_advantages(trajs: list[Trajectory], adv_fn, mask_truncated: bool) -> dict:
     """Outcome advantages from the samples whose reward applies (None is left out of the baseline and
     the loss). With `mask_truncated`, samples cut at the length limit keep their place in the
-    baseline but carry no loss (DAPO's overlong filtering)."""
+    baseline but carry no loss (DAPO's overlong filtering). adv_fn=None (PPO: the critic gives token
+    advantages later) only marks which samples carry loss."""
     scored = [t for t in trajs if t.reward is not None]
     for t in trajs:
-        t.advantage, t.valid = 0.0, t.reward is not None
-    if not scored:
+        t.advantage, t.valid = 0.0, t.reward is not None and not (mask_truncated and t.finish_reason == "length")
+    if not scored or adv_fn is None:
         return {}
     rewards = torch.tensor([t.reward for t in scored], dtype=torch.float64)  # exact equality tests, no fp32 residue
     adv, metrics = adv_fn(rewards, torch.tensor([t.group for t in scored]))
     for t, a in zip(scored, adv.tolist()):
         t.advantage = a
-        if mask_truncated and t.finish_reason == "length":
-            t.valid = False
     return metrics
 
 
@@ -174,3 +173,63 @@ def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap
     loss = aggregate(tok_loss, mask, norms["agg"], norm_tokens=norms["tokens"], max_len=cfg.sampling.max_new_tokens,
                      num_sequences=norms["seqs"])
     return loss, metrics
+
+
+# ---------------------------------------------------------------- PPO: critic, token rewards, GAE
+
+
+@torch.no_grad()
+def old_logps(model, batches: list[RLBatch], cfg) -> None:
+    """log π_old of the loss tokens before any update (PPO needs them for the KL in the reward)."""
+    for b in batches:
+        b.old_logp, _ = policy_logps(model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True)
+
+
+@torch.no_grad()
+def critic_values(critic, batches: list[RLBatch], mixed_precision: str) -> None:
+    """V(s_t) at every loss token's state -> old_values (S, L); V after the last token -> bootstrap (S,)."""
+    for b in batches:
+        m = b.hidden_index.numel()
+        v = critic.values(b, mixed_precision, torch.cat([b.hidden_index, b.last_index]))
+        b.old_values, b.bootstrap = b.spread(v[:m]), v[m:]
+
+
+def ppo_advantages(batches: list[RLBatch], beta: float, gamma: float, lam: float, whiten: bool = True,
+                   bootstrap_truncated: bool = False) -> dict:
+    """Token rewards r_t = −β·k1_t (+ the outcome reward on the last loss token), then GAE.
+
+    k1_t = log π_old(a_t|s_t) − log π_ref(a_t|s_t) (InstructGPT: the KL penalty folded into the reward).
+    A sample cut at the length limit: by default the cut is terminal (the reward scored the cut text,
+    as in InstructGPT/TRL/OpenRLHF); with `bootstrap_truncated` the cut is a time limit (Pardo et al.
+    2018) and GAE continues from V after the last token. Advantages are whitened over the step's
+    loss tokens (mean 0, std 1)."""
+    from posttrain.algos import gae
+
+    for b in batches:
+        mask = b.loss_mask.float()  # (S, L)
+        rewards = torch.zeros_like(mask)
+        if beta > 0:
+            rewards -= beta * (b.old_logp - b.ref_logp) * mask
+        last = (b.mask.sum(-1) - 1).clamp(min=0)  # (S,) position of each sample's last loss token
+        outcome = torch.tensor([t.reward or 0.0 for t in b.trajectories], device=mask.device)
+        rewards[torch.arange(len(last)), last] += outcome * b.valid
+        cut = torch.tensor([bootstrap_truncated and t.finish_reason == "length" for t in b.trajectories],
+                           device=mask.device)
+        b.advantages, b.returns = gae(rewards, b.old_values, mask, gamma=gamma, lam=lam, last_value=b.bootstrap * cut)
+    flat = torch.cat([b.advantages[b.loss_mask] for b in batches])
+    mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.ones(())
+    if whiten:
+        for b in batches:
+            b.advantages = (b.advantages - mean) / (std + 1e-8) * b.loss_mask
+    rets = torch.cat([b.returns[b.loss_mask] for b in batches])
+    return {"adv/mean": mean, "adv/std": std, "returns/mean": rets.mean(),
+            "values/mean": torch.cat([b.old_values[b.loss_mask] for b in batches]).mean()}
+
+
+def critic_loss(critic, b: RLBatch, mixed_precision: str, clip: float | None, norm_tokens: int):
+    """Clipped value loss of one micro-batch, its exact share of the step's token mean."""
+    from posttrain.algos import value_loss
+
+    v = b.spread(critic.values(b, mixed_precision, b.hidden_index))  # (S, L)
+    tok, metrics = value_loss(v, b.old_values, b.returns, b.loss_mask, clip=clip)
+    return tok.sum() / norm_tokens, metrics

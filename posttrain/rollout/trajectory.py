@@ -61,6 +61,7 @@ class RLBatch:
     position_ids: torch.Tensor  # (1, T): prompt 0..P-1, each completion continues at P
     layout: Layout  # shared-prefix blocks of the row (ops.attention)
     hidden_index: torch.Tensor  # (M,) long: the position whose hidden state predicts each loss token
+    last_index: torch.Tensor  # (S,) long: each sample's last token (its state is "after the response": PPO's bootstrap)
     targets: torch.Tensor  # (M,) long: the loss tokens, in trajectory order
     kept: torch.Tensor | None  # (M,) long kept-set sizes, None when no token came from a truncated distribution
     mask: torch.Tensor  # (S, L) bool: loss token present (M of them, row-major = the order of `targets`)
@@ -70,6 +71,9 @@ class RLBatch:
     trajectories: list[Trajectory]
     old_logp: torch.Tensor | None = None  # (S, L) the policy before this step's update (set at epoch 0)
     ref_logp: torch.Tensor | None = None  # (S, L) reference log-probs (β > 0)
+    old_values: torch.Tensor | None = None  # (S, L) PPO: V(s_t) before the update
+    bootstrap: torch.Tensor | None = None  # (S,) PPO: V after the last token
+    returns: torch.Tensor | None = None  # (S, L) PPO: GAE returns (value targets)
     attention_mask: None = None  # the hidden_states() contract: attention is defined by `layout`
     row_tokens: None = None
 
@@ -79,8 +83,8 @@ class RLBatch:
         return self.mask & self.valid[:, None]
 
     def to(self, device) -> "RLBatch":
-        for name in ("input_ids", "position_ids", "hidden_index", "targets", "kept", "mask", "valid",
-                     "behaviour_logp", "advantages", "old_logp", "ref_logp"):
+        for name in ("input_ids", "position_ids", "hidden_index", "last_index", "targets", "kept", "mask", "valid",
+                     "behaviour_logp", "advantages", "old_logp", "ref_logp", "old_values", "bootstrap", "returns"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
@@ -118,7 +122,7 @@ def make_batches(trajs: list[Trajectory], pad_id: int, token_budget: int, pad_to
 
 
 def _build(groups: list[list[Trajectory]], pad_id: int, multiple: int) -> RLBatch:
-    ids, pos, blocks, hidden, targets = [], [], [], [], []
+    ids, pos, blocks, hidden, targets, last = [], [], [], [], [], []
     for g in groups:
         P = len(g[0].prompt_ids)
         last_prompt = len(ids) + P - 1  # its hidden state predicts every completion's first token
@@ -130,6 +134,7 @@ def _build(groups: list[list[Trajectory]], pad_id: int, multiple: int) -> RLBatc
             pos += range(P, P + len(t.response_ids))
             hidden += [last_prompt if j == 0 else start + j - 1 for j in t.loss_positions()]
             targets += [t.response_ids[j] for j in t.loss_positions()]
+            last.append(len(ids) - 1)  # the last response token (a completion has at least one)
         blocks.append((P, tuple(len(t.response_ids) for t in g)))
     pad = -len(ids) % multiple
     if pad:
@@ -146,6 +151,7 @@ def _build(groups: list[list[Trajectory]], pad_id: int, multiple: int) -> RLBatc
     return RLBatch(
         input_ids=torch.tensor([ids], dtype=torch.long), position_ids=torch.tensor([pos], dtype=torch.long),
         layout=(tuple(blocks),), hidden_index=torch.tensor(hidden, dtype=torch.long),
+        last_index=torch.tensor(last, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long), kept=kept, mask=mask,
         valid=torch.tensor([t.valid for t in trajs]), behaviour_logp=behaviour,
         advantages=torch.tensor([t.advantage for t in trajs], dtype=torch.float32), trajectories=trajs,

@@ -16,7 +16,7 @@ pytestmark = [
 # The run of the RL-core issue: 4 prompts x 8 samples, <= 24 new tokens, lr 5e-6 linear, beta 0,
 # reward = the last integer of the completion equals a + b.
 ARGS = ["model=smollm2-135m-instruct", "data=single_digit_add:2000", "reward=math",
-        "reward_args={math: {mode: last_number}}", "algo=grpo", "beta=0", "prompts_per_step=4", "group_size=8",
+        "reward_args={math: {mode: last_number}}", "beta=0", "prompts_per_step=4", "group_size=8",
         "max_new_tokens=24", "optim.lr=5e-6", "optim.schedule=linear", "progress=false"]
 
 
@@ -40,12 +40,15 @@ def pass_at_1(model, tok, n: int = 8) -> float:
     return sum(scores) / len(scores)
 
 
-@pytest.mark.parametrize("mixed_precision,max_steps,budget_s", [("bf16", 40, 240)])
-def test_grpo_teaches_single_digit_addition(tmp_path, mixed_precision, max_steps, budget_s):
+@pytest.mark.parametrize("algo,mixed_precision,max_steps,budget_s,target", [
+    ("grpo", "bf16", 40, 240, 0.85),  # the RL-core issue: >= 0.85 within 4 minutes of training
+    ("ppo", "bf16", 40, 600, 0.8),  # PPO with a value model (2 more forwards and a backward per step)
+])
+def test_rl_teaches_single_digit_addition(tmp_path, algo, mixed_precision, max_steps, budget_s, target):
     from posttrain.config import parse_args
     from posttrain.recipes import rl
 
-    cfg = parse_args(rl.RLConfig, [*ARGS, f"mixed_precision={mixed_precision}", f"max_steps={max_steps}",
+    cfg = parse_args(rl.RLConfig, [*ARGS, f"algo={algo}", f"mixed_precision={mixed_precision}", f"max_steps={max_steps}",
                                    f"output_dir={tmp_path / 'run'}"])
     run = rl.setup(cfg)
     before = pass_at_1(run.model, run.tok)
@@ -54,7 +57,7 @@ def test_grpo_teaches_single_digit_addition(tmp_path, mixed_precision, max_steps
     train_s = time.perf_counter() - t0
     rl.finish(run)
     after = pass_at_1(run.model, run.tok)
-    print(f"\npass@1 {before:.3f} -> {after:.3f}; {max_steps} steps in {train_s:.0f} s "
+    print(f"\n{algo}: pass@1 {before:.3f} -> {after:.3f}; {max_steps} steps in {train_s:.0f} s "
           f"({train_s / max_steps:.2f} s/step); training reward {rewards[0]:.3f} -> {sum(rewards[-5:]) / 5:.3f} (last 5)")
-    assert after >= 0.85, (before, after)
+    assert after >= target, (before, after)
     assert train_s <= budget_s, train_s

@@ -30,6 +30,9 @@ RL_PRESETS: dict[str, AlgoPreset] = {
     # PPO with a value model: token-level rewards (the KL folded in as k1), GAE, clipped value loss
     "ppo": AlgoPreset("gae", "ppo", "token_mean", BETA_PRESETS["instructgpt"], False,
                       "Schulman et al. 2017; Ouyang et al. 2022, InstructGPT"),
+    # online DPO: best vs worst of each group under the reward, a preference loss (pref_loss=dpo|ipo|…)
+    "online_dpo": AlgoPreset("grpo", "ppo", "token_mean", 0.0, False,
+                             "Guo et al. 2024, Direct Language Model Alignment from Online AI Feedback"),
     "grpo": AlgoPreset("grpo", "ppo", "seq_mean_token_mean", BETA_PRESETS["deepseekmath"], False,
                        "Shao et al. 2024, DeepSeekMath"),
     "dr_grpo": AlgoPreset("dr_grpo", "ppo", "seq_mean_token_sum_norm", 0.0, False,

@@ -29,7 +29,7 @@ from pydantic import Field, model_validator
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
 from posttrain.algos import advantages as adv_registry
-from posttrain.algos import policy_losses
+from posttrain.algos import policy_losses, preference_losses
 from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
@@ -84,6 +84,9 @@ class RLConfig(CommonConfig):
     critic_lr: float | None = Field(None, gt=0, description="PPO: value model learning rate (None = 10 × optim.lr)")
     critic_warmup: int = Field(0, ge=0, description="PPO: first steps train only the value model")
     vf_clip: float | None = Field(0.2, ge=0, description="PPO: value clipping range around the old values (None = unclipped)")
+    pref_loss: str = Field("dpo", description="online_dpo: preference loss (registry posttrain.algos.preference_losses)")
+    pref_args: dict = Field(default_factory=dict, description="online_dpo: arguments of the preference loss, e.g. {beta: 0.1}")
+    ref_update_every: int = Field(0, ge=0, description="online_dpo: copy the policy into the reference every N steps (0 = frozen)")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the step's tokens")
     bootstrap_truncated: bool = Field(False, description="PPO: a sample cut at max_new_tokens continues from V after its last token (time-limit view) instead of ending there")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
@@ -102,12 +105,25 @@ class RLConfig(CommonConfig):
         if unknown:
             raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{loss}' (it takes {sorted(accepted)})")
         adv_registry.get(self.advantage or preset.advantage)
+        if self.algo == "online_dpo":
+            accepted = _keyword_args(preference_losses.get(self.pref_loss)) - {
+                "policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
+                "chosen_lengths", "rejected_lengths"}
+            unknown = sorted(set(self.pref_args) - accepted)
+            if unknown:
+                raise ValueError(f"pref_args {unknown} are not arguments of preference loss '{self.pref_loss}' (it takes {sorted(accepted)})")
         if self.kl_estimator == "k1" and self.resolved_beta > 0 and not uses_critic(preset):
             raise ValueError("kl_estimator=k1 in the loss has zero expected gradient on-policy (E_π[∇ log π] = 0): "
                              "use k3 (GRPO) or k2, or beta=0")
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no log-prob to optimise)")
         return self
+
+    @property
+    def needs_reference(self) -> bool:
+        if self.algo == "online_dpo":
+            return bool(preference_losses.meta(self.pref_loss).get("reference", True))
+        return self.resolved_beta > 0
 
     @property
     def resolved_beta(self) -> float:
@@ -159,6 +175,8 @@ def rl_step(run: RLRun, step: int) -> dict:
     t0 = time.perf_counter()
     # 1. collect: generate, score, filter (refill rounds for dynamic sampling)
     trajs, collect_metrics = collect(run, step)
+    if cfg.algo == "online_dpo":  # 2-4. best vs worst of each group, a preference loss
+        return online_dpo_step(run, step, trajs, t0, collect_metrics)
     # 2. advantage over the applicable rewards
     with timer("advantage"):
         adv_metrics = ph.assign_advantages(trajs, None if run.critic else run.adv_fn, cfg.mask_truncated)
@@ -212,6 +230,35 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     metrics = {k: v for k, v in reward_metrics.items() if k.endswith(("/mean", "/std", "/errors", "/none"))}
     metrics.update({"dynamic/rounds": rounds, "dynamic/groups_dropped": dropped})
     return kept[: cfg.prompts_per_step * G] if run.dynamic else kept, metrics
+
+
+def online_dpo_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, collect_metrics: dict) -> dict:
+    """Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback"): pairs
+    sampled from the current policy, labelled by the reward, one preference-loss step."""
+    cfg = run.cfg
+    ph.assign_advantages(trajs, None, cfg.mask_truncated)
+    pairs, skipped = ph.preference_pairs([t for t in trajs if t.valid])
+    if not pairs:
+        return log_step(run, step, trajs, t0, {**collect_metrics, "pairs": 0, "skipped": 1})
+    in_pairs = [t for pair in pairs for t in pair]
+    batches = make_batches(in_pairs, run.tok.pad_token_id, cfg.micro_batch_tokens, device=run.device)
+    ref = None
+    if run.ref is not None:
+        with run.timer("reference"), torch.no_grad():
+            ref = ph.sequence_logps(run.ref, batches, cfg.mixed_precision)
+    with run.timer("update"):
+        lr = run.scheduler.get_last_lr()[0]
+        policy = ph.sequence_logps(run.model, batches, cfg.mixed_precision)
+        loss, metrics = ph.pair_loss(preference_losses.get(cfg.pref_loss), pairs, policy, ref, cfg.pref_args)
+        loss.backward()
+        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm)
+        run.scheduler.step()
+        run.engine.sync_weights()
+        if run.ref is not None and cfg.ref_update_every and (step + 1) % cfg.ref_update_every == 0:
+            run.ref.load_state_dict(run.model.state_dict())
+    row = {"loss": loss.detach(), "lr": lr, "grad_norm": grad_norm, "pairs": len(pairs), "pairs/groups_skipped": skipped,
+           **{f"pref/{k}": v for k, v in metrics.items()}, "skipped": 0}
+    return log_step(run, step, trajs, t0, {**collect_metrics, **row})
 
 
 def critic_phase(run: RLRun, batches) -> dict:
@@ -359,7 +406,7 @@ def setup(cfg: RLConfig) -> RLRun:
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
     model.train()
     beta = cfg.resolved_beta
-    ref = load_reference(model) if beta > 0 else None  # β = 0 must not load a reference model
+    ref = load_reference(model) if cfg.needs_reference else None  # β = 0 must not load a reference model
     engine_cfg = cfg.engine.model_copy(update={
         k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
         if k not in cfg.engine.model_fields_set})

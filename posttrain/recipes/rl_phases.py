@@ -233,3 +233,50 @@ def critic_loss(critic, b: RLBatch, mixed_precision: str, clip: float | None, no
     v = b.spread(critic.values(b, mixed_precision, b.hidden_index))  # (S, L)
     tok, metrics = value_loss(v, b.old_values, b.returns, b.loss_mask, clip=clip)
     return tok.sum() / norm_tokens, metrics
+
+
+# ---------------------------------------------------------------- online DPO
+
+
+def preference_pairs(trajs: list[Trajectory]) -> tuple[list[tuple[Trajectory, Trajectory]], int]:
+    """Per group, (best, worst) under the reward (first of equals); groups whose applicable rewards are
+    all equal (ties) give no pair. Returns (pairs, groups skipped)."""
+    by: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        if t.reward is not None:
+            by.setdefault(t.group, []).append(t)
+    pairs = []
+    for group in by.values():
+        best = max(group, key=lambda t: t.reward)
+        worst = min(group, key=lambda t: t.reward)
+        if best.reward > worst.reward:
+            pairs.append((best, worst))
+    return pairs, len({t.group for t in trajs}) - len(pairs)
+
+
+def sequence_logps(model, batches: list[RLBatch], mixed_precision: str) -> dict[int, torch.Tensor]:
+    """Σ_t log π(a_t|s_t) (temperature 1, untruncated: DPO's implicit reward is about π itself) per
+    trajectory, keyed by id(trajectory) -> 0-dim tensors (with grad when the model trains)."""
+    out = {}
+    for b in batches:
+        logp, _ = policy_logps(model, b, 1.0, mixed_precision, truncated=False)
+        for t, s in zip(b.trajectories, (logp * b.mask).sum(-1)):
+            out[id(t)] = s
+    return out
+
+
+def pair_loss(pref_fn, pairs, policy: dict, ref: dict | None, pref_args: dict):
+    """Mean preference loss over the pairs (chosen = best, rejected = worst) and its metrics."""
+    import inspect
+
+    pc = torch.stack([policy[id(c)] for c, _ in pairs])
+    pr = torch.stack([policy[id(r)] for _, r in pairs])
+    rc = torch.stack([ref[id(c)] for c, _ in pairs]) if ref is not None else None
+    rr = torch.stack([ref[id(r)] for _, r in pairs]) if ref is not None else None
+    extra = dict(pref_args)
+    params = inspect.signature(pref_fn).parameters
+    if "chosen_lengths" in params:  # length-normalised losses (simpo, orpo, dpo_norm, rpo)
+        extra["chosen_lengths"] = torch.tensor([float(c.num_loss_tokens) for c, _ in pairs], device=pc.device)
+        extra["rejected_lengths"] = torch.tensor([float(r.num_loss_tokens) for _, r in pairs], device=pc.device)
+    loss, metrics = pref_fn(pc, pr, rc, rr, **extra)
+    return loss.mean(), metrics

@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned to the CPU wheel (2.13.0); install it first so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,math]'
+	$(BIN)/pip install -q -e '.[dev,math,serve]'
 	# build the engine's fused CPU kernels now (~30 s, cached); without a compiler the engine uses eager ops
 	-$(BIN)/python -c "from posttrain.ops import cpu_kernels; print('fused CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable (eager ops)')"
 	touch $(STAMP)

@@ -26,3 +26,20 @@ def write_jsonl(path, rows):
 def conv(*turns):
     roles = ["user", "assistant"]
     return {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+COUNT_PROMPTS = [{"prompt": [{"role": "user", "content": f"Count to {d}, please."}]} for d in range(1, 9)]
+
+
+def run_rl(tmp_path, *overrides, name="run"):
+    """`posttrain rl` on the tiny model over COUNT_PROMPTS; overrides come last. -> (summary, run dir)."""
+    from posttrain.config import parse_args
+    from posttrain.recipes import rl
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", COUNT_PROMPTS)
+    cfg = parse_args(rl.RLConfig, [
+        "model=tiny-random", f"data={data}", f"output_dir={tmp_path / name}", "reward=space_share",
+        "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "optim.lr=2e-2", "max_steps=8",
+        "progress=false", *overrides,
+    ])
+    return rl.train(cfg), tmp_path / name

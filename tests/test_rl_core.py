@@ -7,24 +7,15 @@ import math
 import pytest
 import torch
 
-from conftest import write_jsonl
+from conftest import run_rl
 from posttrain.config import ConfigError, parse_args
 from posttrain.recipes import rl
 from posttrain.recipes import rl_phases as ph
 from posttrain.rewards.registry import RewardError, register
 from posttrain.rollout.trajectory import Trajectory, make_batches
 
-PROMPTS = [{"prompt": [{"role": "user", "content": f"Count to {d}, please."}]} for d in range(1, 9)]
-
-
 def run(tmp_path, *overrides, name="run"):
-    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    cfg = parse_args(rl.RLConfig, [
-        "model=tiny-random", f"data={data}", f"output_dir={tmp_path / name}", "reward=space_share",
-        "prompts_per_step=2", "group_size=4", "max_new_tokens=8", "optim.lr=2e-2", "max_steps=2",
-        "progress=false", *overrides,
-    ])
-    return rl.train(cfg), tmp_path / name
+    return run_rl(tmp_path, "prompts_per_step=2", "max_new_tokens=8", "max_steps=2", *overrides, name=name)
 
 
 def rows_of(out):

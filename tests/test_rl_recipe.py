@@ -2,8 +2,7 @@ import json
 
 import pytest
 
-from conftest import write_jsonl
-from posttrain.config import parse_args
+from conftest import COUNT_PROMPTS, run_rl
 from posttrain.recipes import rl
 from posttrain.rewards.registry import register
 
@@ -13,17 +12,8 @@ def space_share(prompts, completions, **kw):
     return [c.count(" ") / max(len(c), 1) for c in completions]
 
 
-PROMPTS = [{"prompt": [{"role": "user", "content": f"Count to {d}, please."}]} for d in range(1, 9)]
-
-
-def run(tmp_path, *overrides, name="run"):
-    data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    cfg = parse_args(rl.RLConfig, [
-        "model=tiny-random", f"data={data}", f"output_dir={tmp_path / name}", "reward=space_share",
-        "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "optim.lr=2e-2", "max_steps=8",
-        "progress=false", *overrides,
-    ])
-    return rl.train(cfg), tmp_path / name
+PROMPTS = COUNT_PROMPTS
+run = run_rl
 
 
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "gspo", "cispo", "dr_grpo", "rloo"])

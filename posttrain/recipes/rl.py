@@ -227,7 +227,7 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     if not kept:
         kept = last
     assert all(len({tuple(t.prompt_ids) for t in kept if t.group == g}) == 1 for g in {t.group for t in kept})
-    metrics = {k: v for k, v in reward_metrics.items() if k.endswith(("/mean", "/std", "/errors", "/none"))}
+    metrics = {k: v for k, v in reward_metrics.items() if isinstance(v, (int, float))}  # rewards/<name>/…
     metrics.update({"dynamic/rounds": rounds, "dynamic/groups_dropped": dropped})
     return kept[: cfg.prompts_per_step * G] if run.dynamic else kept, metrics
 

@@ -84,7 +84,7 @@ class RLConfig(CommonConfig):
     critic_lr: float | None = Field(None, gt=0, description="PPO: value model learning rate (None = 10 × optim.lr)")
     critic_warmup: int = Field(0, ge=0, description="PPO: first steps train only the value model")
     vf_clip: float | None = Field(0.2, ge=0, description="PPO: value clipping range around the old values (None = unclipped)")
-    pref_loss: str = Field("dpo", description="online_dpo: preference loss (registry posttrain.algos.preference_losses)")
+    pref_loss: str = Field("dpo", description="online_dpo: preference loss (registry posttrain.algos.preference_losses); `loss=ipo` says the same")
     pref_args: dict = Field(default_factory=dict, description="online_dpo: arguments of the preference loss, e.g. {beta: 0.1}")
     ref_update_every: int = Field(0, ge=0, description="online_dpo: copy the policy into the reference every N steps (0 = frozen)")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the step's tokens")
@@ -95,6 +95,14 @@ class RLConfig(CommonConfig):
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     samples_per_log: int = Field(2, ge=0, description="completions written to samples.jsonl each step")
     progress: bool = Field(True, description="show a progress bar")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_names_the_preference_loss(cls, data):
+        """algo=online_dpo: `loss=ipo` names the preference loss (as the issue tracker and TRL users write it)."""
+        if isinstance(data, dict) and data.get("algo") == "online_dpo" and data.get("loss"):
+            data = {**data, "pref_loss": data["loss"], "loss": None}
+        return data
 
     @model_validator(mode="after")
     def _check_algorithm(self):

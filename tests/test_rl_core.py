@@ -299,3 +299,29 @@ def test_online_dpo_raises_the_expected_reward(tmp_path, tiny_tok, pref):
 def test_online_dpo_refuses_arguments_its_loss_does_not_take():
     with pytest.raises(ConfigError, match="eps"):
         parse_args(rl.RLConfig, ["algo=online_dpo", "pref_args={eps: 0.1}"])
+
+
+# ---------------------------------------------------------------- alarms
+
+@register("pays_for_banana", description="test reward hack: pays for a string the task never needs")
+def pays_for_banana(prompts, completions, completion_ids=None, **kw):
+    return [5.0 if ids[0] % 7 == 0 else 0.0 for ids in completion_ids]  # a rare "string" the policy can find
+
+
+def test_an_injected_reward_hack_raises_the_alarm_and_on_alarm_stop_ends_the_run(tmp_path, capsys):
+    """The hack pays 5 for a first token id divisible by 7 (p ≈ 1/7 at init; nothing else pays): once GRPO
+    amplifies it, reward/mean leaves its running band and reward_jump fires; on_alarm=checkpoint_and_stop
+    saves and ends the run with the samples that raised it. Seeds 0-5: fires at steps 4-9 with a 3-std band
+    (the entropy alarms, which the collapsing policy would raise too, are off to isolate this one)."""
+    from posttrain.monitor.alarms import AlarmStop
+
+    with pytest.raises(AlarmStop, match="reward_jump") as stop:
+        run(tmp_path, "reward=pays_for_banana", "max_new_tokens=1", "prompts_per_step=4", "max_steps=30",
+            "beta=0", "alarms.on_alarm=checkpoint_and_stop", "alarms.warmup_steps=3", "alarms.window=6",
+            "alarms.reward_jump_std=3", "alarms.entropy_drop=null", "alarms.entropy_floor=null")
+    alarm = next(a for a in stop.value.alarms if a.name == "reward_jump")
+    assert alarm.samples and alarm.samples[0]["reward"] == 5.0 and alarm.step < 30
+    rows = rows_of(tmp_path / "run")
+    assert rows[-1]["alarm/reward_jump"] == 1.0 and rows[-1]["step"] == alarm.step
+    assert (tmp_path / "run" / "checkpoints" / f"step-{alarm.step}" / "state.json").is_file()
+    assert "[alarm]" in capsys.readouterr().err

@@ -37,6 +37,7 @@ from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.models.forward import unwrap
 from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.monitor.alarms import AlarmMonitor, AlarmSettings, AlarmStop
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
@@ -91,6 +92,7 @@ class RLConfig(CommonConfig):
     bootstrap_truncated: bool = Field(False, description="PPO: a sample cut at max_new_tokens continues from V after its last token (time-limit view) instead of ending there")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
+    alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     samples_per_log: int = Field(2, ge=0, description="completions written to samples.jsonl each step")
@@ -172,6 +174,7 @@ class RLRun:
     critic_sched: object = None
     measured: Measured = field(default_factory=Measured)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
 
 
 # ---------------------------------------------------------------- one step
@@ -376,11 +379,15 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
         "samples": len(trajs), "tokens": all_tokens, "generated_tokens": int(lengths.sum()),
         "tokens_per_s": all_tokens / (time.perf_counter() - t0),
     }, run.timer.pop())
+    fired = run.alarms.check(step + 1, row, [{"prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
+                                              "reward": t.reward} for t in trajs])
+    row.update(run.alarms.metrics(fired))
     logged = run.metrics.write(step + 1, row)
     with (run.life.out / "samples.jsonl").open("a") as f:
         for t in trajs[: cfg.samples_per_log]:
             f.write(json.dumps({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
                                 "reward": t.reward, "finish_reason": t.finish_reason}) + "\n")
+    run.alarms.act(fired)  # on_alarm=stop | checkpoint_and_stop raises AlarmStop
     return logged
 
 
@@ -425,13 +432,14 @@ def setup(cfg: RLConfig) -> RLRun:
                 EpochSampler(len(rows), cfg.seed), kl_ctl, adv_registry.get(cfg.advantage or preset.advantage),
                 policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
                 preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling,
-                default_tis_cap(cfg), device, measured=measured)
+                default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms))
     if uses_critic(preset):
         build_critic(run)
     state = life.restore(model, optimizer, scheduler, extras=critic_extras(run))
     if state:
         run.sampler.load(state["sampler"])
         kl_ctl.value = state.get("beta", kl_ctl.value)
+        run.alarms.load(state.get("alarms", {}))
         if run.critic_sched is not None:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
         engine.sync_weights()
@@ -462,7 +470,13 @@ def train(cfg: RLConfig) -> dict:
     run = setup(cfg)
     bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress)
     for step in range(run.life.start, cfg.max_steps):
-        logged = rl_step(run, step)
+        try:
+            logged = rl_step(run, step)
+        except AlarmStop as stop:
+            if stop.checkpoint:  # the step's update is done: keep it
+                run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
+                                    extras=critic_extras(run))
+            raise
         bar.update(1)
         bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
         run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
@@ -472,7 +486,7 @@ def train(cfg: RLConfig) -> dict:
 
 
 def checkpoint_state(run: RLRun) -> dict:
-    state = {"sampler": run.sampler.state(), "beta": run.kl_ctl.value}
+    state = {"sampler": run.sampler.state(), "beta": run.kl_ctl.value, "alarms": run.alarms.state()}
     if run.critic_sched is not None:
         state["critic_scheduler"] = run.critic_sched.state_dict()
     return state
@@ -495,6 +509,7 @@ def finish(run: RLRun) -> dict:
         "loss_agg": run.agg, "beta": cfg.resolved_beta, "steps": cfg.max_steps,
         "first_reward": rewards[0] if rewards else math.nan, "last_reward": rewards[-1] if rewards else math.nan,
         "skipped_steps": sum(r.get("skipped", 0) for r in history),
+        "alarms": run.alarms.summary(),
         "tokens predicted (plan)": plan["predicted"]["tokens_per_step"] * (cfg.max_steps - life.start),
         "tokens counted": plan["measured"]["tokens"],
     }

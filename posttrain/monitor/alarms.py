@@ -1,0 +1,342 @@
+"""RL health alarms (SPEC §3): a bad run is stopped, not plotted.
+
+Every step the monitor reads the metrics row the RL step already logs (names in docs/rl.md "Metrics")
+and the step's samples, and raises an alarm when a curve leaves its healthy range:
+
+    reward_jump       reward/mean > running mean + k·max(running std, floor)   (a hacking signal)
+    length_blowup     response_length/mean > f · running median
+    length_collapse   response_length/mean < f · running median
+    entropy_collapse  entropy < floor, or < fraction × the entropy of the first steps
+    kl_budget         KL per sequence > budget (nats)
+    clip_frac         clip_frac/low + clip_frac/high > max
+    grad_norm_spike   grad_norm > f · running median
+    nonfinite         any NaN / inf value in the row
+    consistency       consistency/dlogp_mean > max (the trainer and the sampler disagree)
+
+"Running" statistics are over the last `window` steps before the current one and need `warmup_steps`
+of them; the absolute alarms (floor, budget, max, NaN) apply from the first step. Defaults and why:
+docs/alarms.md. Use:
+
+    monitor = AlarmMonitor(settings)
+    fired = monitor.check(step, row, samples)    # samples: [{"prompt", "completion", "reward"}, ...]
+    row.update(monitor.metrics(fired))           # alarm/<name> = 1.0 while it fires, alarm/count every step
+    monitor.act(fired)                           # raises AlarmStop when on_alarm is stop | checkpoint_and_stop
+    state = monitor.state(); monitor.load(state) # JSON, for checkpoints
+
+An alarm is printed when it starts firing (the step, the value against its threshold, the samples
+that raised it: the highest-reward ones for a reward jump, the longest for a length blow-up, …); while it
+keeps firing it is logged every step but not printed again.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import Field
+
+from posttrain.config import Config
+from posttrain.errors import UserError
+
+INF_SENTINEL = 1e308  # MetricsWriter writes ±inf as ±1e308 and NaN as null (monitor/metrics.py::to_python)
+
+
+class AlarmSettings(Config):
+    """Health alarms on the RL metrics (docs/alarms.md). A threshold set to null turns its alarm off."""
+
+    on_alarm: str = Field("warn", pattern="^(warn|stop|checkpoint_and_stop)$",
+                          description="warn (print and log) | stop (end the run) | checkpoint_and_stop (save, then end)")
+    window: int = Field(20, ge=2, description="steps in the running band (mean / std / median) of the relative alarms")
+    warmup_steps: int = Field(5, ge=1, description="steps observed before a relative alarm can fire; the initial entropy is their mean")
+    reward_jump_std: float | None = Field(4.0, gt=0, description="reward/mean above the running mean by this many running stds")
+    reward_jump_min_std: float = Field(0.05, ge=0, description="floor on that std (in reward units): a flat band would fire on any change")
+    length_blowup: float | None = Field(2.0, gt=1, description="response_length/mean above this × its running median")
+    length_collapse: float | None = Field(0.3, gt=0, lt=1, description="response_length/mean below this × its running median")
+    entropy_floor: float | None = Field(0.02, ge=0, description="entropy (nats per token) below this, from the first step")
+    entropy_drop: float | None = Field(0.05, gt=0, lt=1, description="entropy below this fraction of its initial value")
+    kl_budget: float | None = Field(3.0, gt=0, description="KL to the reference in nats per sequence (kl × response_length/mean, or kl/seq)")
+    clip_frac_max: float | None = Field(0.3, gt=0, le=1, description="clip_frac/low + clip_frac/high above this")
+    grad_norm_spike: float | None = Field(10.0, gt=1, description="grad_norm above this × its running median")
+    dlogp_mean_max: float | None = Field(0.2, gt=0, description="consistency/dlogp_mean (nats) above this: trainer and sampler disagree")
+    nonfinite: bool = Field(True, description="alarm on any NaN / inf value in the row (null in metrics.jsonl counts as NaN)")
+    nonfinite_ignore: list[str] = Field(default_factory=lambda: ["reward/*", "rewards/*"],
+                                        description="metric patterns that may be NaN (a reward mean is NaN when no reward applies)")
+    show_samples: int = Field(3, ge=0, description="samples printed with an alarm")
+
+
+@dataclass
+class Alarm:
+    name: str
+    step: int
+    value: float
+    threshold: float
+    message: str  # what crossed what, with the band it was judged against
+    samples: list[dict] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [f"[alarm] step {self.step}: {self.name}: {self.message}"]
+        for i, s in enumerate(self.samples, 1):
+            reward = s.get("reward")
+            shown = f"{reward:.4g}" if isinstance(reward, (int, float)) else reward
+            prompt = str(s.get("prompt", ""))[-160:].replace("\n", "⏎")
+            completion = str(s.get("completion", ""))[:400].replace("\n", "⏎")
+            lines.append(f"  sample {i} (reward {shown}, {len(str(s.get('completion', '')))} chars): "
+                         f"prompt …{prompt!r} -> completion {completion!r}")
+        return "\n".join(lines)
+
+
+class AlarmStop(UserError):
+    """Raised by `AlarmMonitor.act` when on_alarm says stop; `checkpoint` tells the recipe to save first."""
+
+    def __init__(self, alarms: list[Alarm], checkpoint: bool):
+        self.alarms, self.checkpoint = alarms, checkpoint
+        how = "checkpoint_and_stop" if checkpoint else "stop"
+        super().__init__(f"run stopped by on_alarm={how} at step {alarms[0].step}:\n"
+                         + "\n".join(a.format() for a in alarms))
+
+
+# ---------------------------------------------------------------- the checks (pure functions)
+
+
+@dataclass
+class Band:
+    """The last `window` finite values of one metric before the current step."""
+
+    values: list[float]
+
+    @property
+    def n(self) -> int:
+        return len(self.values)
+
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    def std(self) -> float:
+        return statistics.pstdev(self.values) if self.n > 1 else 0.0
+
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+
+# a check: (settings, row of finite floats, bands, initial values) -> (value, threshold, message) | None
+Check = Callable[[AlarmSettings, dict, dict, dict], "tuple[float, float, str] | None"]
+
+
+def _ready(s: AlarmSettings, band: Band | None) -> bool:
+    return band is not None and band.n >= s.warmup_steps
+
+
+def reward_jump(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v, band = row.get("reward/mean"), bands.get("reward/mean")
+    if s.reward_jump_std is None or v is None or not _ready(s, band):
+        return None
+    std = max(band.std(), s.reward_jump_min_std)
+    limit = band.mean() + s.reward_jump_std * std
+    if v > limit:
+        return v, limit, (f"reward/mean {v:.4g} > {limit:.4g} = running mean {band.mean():.4g} + "
+                          f"{s.reward_jump_std:g} × std {std:.4g} (last {band.n} steps): read the top samples")
+    return None
+
+
+def length_blowup(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v, band = row.get("response_length/mean"), bands.get("response_length/mean")
+    if s.length_blowup is None or v is None or not _ready(s, band):
+        return None
+    limit = s.length_blowup * band.median()
+    if v > limit:
+        return v, limit, f"response_length/mean {v:.4g} > {s.length_blowup:g} × running median {band.median():.4g}"
+    return None
+
+
+def length_collapse(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v, band = row.get("response_length/mean"), bands.get("response_length/mean")
+    if s.length_collapse is None or v is None or not _ready(s, band):
+        return None
+    limit = s.length_collapse * band.median()
+    if v < limit:
+        return v, limit, f"response_length/mean {v:.4g} < {s.length_collapse:g} × running median {band.median():.4g}"
+    return None
+
+
+def entropy_collapse(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v = row.get("entropy")
+    if v is None:
+        return None
+    if s.entropy_floor is not None and v < s.entropy_floor:
+        return v, s.entropy_floor, f"entropy {v:.4g} nats/token < floor {s.entropy_floor:g}"
+    start = initial.get("entropy")
+    if s.entropy_drop is not None and start is not None and len(start) >= s.warmup_steps:
+        limit = s.entropy_drop * statistics.fmean(start)
+        if v < limit:
+            return v, limit, (f"entropy {v:.4g} < {s.entropy_drop:g} × initial {statistics.fmean(start):.4g} "
+                              f"(mean of the first {len(start)} steps)")
+    return None
+
+
+def kl_budget(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    """Per-sequence KL: `kl/seq` when the step logs it, else the token-mean `kl` × response_length/mean
+    (exact when every sample carries loss: Σ KL / tokens × tokens / samples)."""
+    if s.kl_budget is None:
+        return None
+    v = row.get("kl/seq")
+    if v is None and row.get("kl") is not None and row.get("response_length/mean") is not None:
+        v = row["kl"] * row["response_length/mean"]
+    if v is not None and v > s.kl_budget:
+        return v, s.kl_budget, f"KL {v:.4g} nats per sequence > budget {s.kl_budget:g}: check a held-out eval"
+    return None
+
+
+def clip_frac(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    parts = [row[k] for k in ("clip_frac/low", "clip_frac/high") if row.get(k) is not None]
+    if s.clip_frac_max is None or not parts:
+        return None
+    v = sum(parts)
+    if v > s.clip_frac_max:
+        return v, s.clip_frac_max, f"clip fraction {v:.4g} (low + high) > {s.clip_frac_max:g}: the update moves too far"
+    return None
+
+
+def grad_norm_spike(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v, band = row.get("grad_norm"), bands.get("grad_norm")
+    if s.grad_norm_spike is None or v is None or not _ready(s, band) or band.median() <= 0:
+        return None
+    limit = s.grad_norm_spike * band.median()
+    if v > limit:
+        return v, limit, f"grad_norm {v:.4g} > {s.grad_norm_spike:g} × running median {band.median():.4g}"
+    return None
+
+
+def consistency(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    v = row.get("consistency/dlogp_mean")
+    if s.dlogp_mean_max is not None and v is not None and v > s.dlogp_mean_max:
+        return v, s.dlogp_mean_max, (f"consistency/dlogp_mean {v:.4g} nats > {s.dlogp_mean_max:g}: the trainer does "
+                                     "not reproduce the sampler's log-probs (stale weights? precision?)")
+    return None
+
+
+# name -> (check, which samples to show)
+CHECKS: dict[str, tuple[Check, str]] = {
+    "reward_jump": (reward_jump, "reward"),
+    "length_blowup": (length_blowup, "longest"),
+    "length_collapse": (length_collapse, "shortest"),
+    "entropy_collapse": (entropy_collapse, "first"),
+    "kl_budget": (kl_budget, "reward"),
+    "clip_frac": (clip_frac, "first"),
+    "grad_norm_spike": (grad_norm_spike, "first"),
+    "consistency": (consistency, "first"),
+}
+NAMES = ("nonfinite", *CHECKS)
+TRACKED = ("reward/mean", "response_length/mean", "grad_norm")  # metrics with a running band
+
+
+def as_number(value) -> float | None:
+    """A metric value as a float: tensors and numbers; None (NaN in metrics.jsonl) -> NaN; ±1e308 -> ±inf;
+    anything else (strings, lists) -> None (not a metric)."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        return float(value)
+    if hasattr(value, "numel") and hasattr(value, "item"):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return math.copysign(math.inf, value) if abs(value) >= INF_SENTINEL else value
+
+
+def nonfinite_keys(row: dict, ignore: list[str]) -> list[str]:
+    return [k for k, v in row.items() if not any(fnmatch.fnmatchcase(k, p) for p in ignore)
+            and (x := as_number(v)) is not None and not math.isfinite(x)]
+
+
+def pick_samples(samples: list[dict], how: str, k: int) -> list[dict]:
+    if k <= 0 or not samples:
+        return []
+    if how == "reward":
+        scored = [s for s in samples if isinstance(s.get("reward"), (int, float))]
+        return sorted(scored, key=lambda s: -s["reward"])[:k]  # stable: ties keep the step's order
+    if how in ("longest", "shortest"):
+        return sorted(samples, key=lambda s: len(str(s.get("completion", ""))), reverse=how == "longest")[:k]
+    return list(samples[:k])
+
+
+# ---------------------------------------------------------------- the monitor
+
+
+class AlarmMonitor:
+    """Evaluates every alarm on each step's row; keeps the running bands (serialisable for resume)."""
+
+    def __init__(self, settings: AlarmSettings | None = None, echo: Callable[[str], None] | None = None):
+        self.settings = settings or AlarmSettings()
+        self.echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.history: dict[str, list[float]] = {k: [] for k in TRACKED}
+        self.initial: dict[str, list[float]] = {"entropy": []}
+        self.active: list[str] = []  # alarms that fired on the previous step (printing is on the rising edge)
+        self.log: dict[str, dict] = {}  # name -> {"first_step", "steps", "last_step", "value", "threshold"}
+
+    def check(self, step: int, row: dict, samples: list[dict] | None = None) -> list[Alarm]:
+        """The alarms firing at `step`; prints those that were not firing on the previous step."""
+        s, samples = self.settings, list(samples or [])
+        numbers = {k: x for k, v in row.items() if (x := as_number(v)) is not None and math.isfinite(x)}
+        fired: list[Alarm] = []
+        if s.nonfinite:
+            bad = nonfinite_keys(row, s.nonfinite_ignore)
+            if bad:
+                fired.append(Alarm("nonfinite", step, math.nan, 0.0, f"non-finite values in {', '.join(sorted(bad))}",
+                                   pick_samples(samples, "first", s.show_samples)))
+        bands = {k: Band(v) for k, v in self.history.items() if v}
+        for name, (fn, how) in CHECKS.items():
+            hit = fn(s, numbers, bands, self.initial)
+            if hit is not None:
+                value, threshold, message = hit
+                fired.append(Alarm(name, step, value, threshold, message, pick_samples(samples, how, s.show_samples)))
+        self._observe(numbers)
+        self._record(fired)
+        return fired
+
+    def _observe(self, numbers: dict) -> None:
+        for k in TRACKED:
+            if k in numbers:
+                self.history[k] = (self.history[k] + [numbers[k]])[-self.settings.window:]
+        if "entropy" in numbers and len(self.initial["entropy"]) < self.settings.warmup_steps:
+            self.initial["entropy"].append(numbers["entropy"])
+
+    def _record(self, fired: list[Alarm]) -> None:
+        for a in fired:
+            entry = self.log.setdefault(a.name, {"first_step": a.step, "steps": 0})
+            value = a.value if math.isfinite(a.value) else None  # the state is JSON: no NaN
+            entry.update(steps=entry["steps"] + 1, last_step=a.step, value=value, threshold=a.threshold)
+            if a.name not in self.active:
+                self.echo(a.format())
+        self.active = [a.name for a in fired]
+
+    @staticmethod
+    def metrics(fired: list[Alarm]) -> dict[str, float]:
+        """`alarm/<name>` = 1.0 for each firing alarm and `alarm/count` (0 on a quiet step)."""
+        return {"alarm/count": float(len(fired)), **{f"alarm/{a.name}": 1.0 for a in fired}}
+
+    def act(self, fired: list[Alarm]) -> None:
+        """warn: nothing more; stop / checkpoint_and_stop: raise AlarmStop (the recipe saves when asked)."""
+        if fired and self.settings.on_alarm != "warn":
+            raise AlarmStop(fired, checkpoint=self.settings.on_alarm == "checkpoint_and_stop")
+
+    def summary(self) -> dict:
+        """For the report: per alarm that fired, its first and last step, how many steps, the last value."""
+        return {name: dict(entry) for name, entry in self.log.items()}
+
+    def state(self) -> dict:
+        return {"history": {k: list(v) for k, v in self.history.items()},
+                "initial": {k: list(v) for k, v in self.initial.items()},
+                "active": list(self.active), "log": {k: dict(v) for k, v in self.log.items()}}
+
+    def load(self, state: dict) -> None:
+        self.history = {k: list(state.get("history", {}).get(k, [])) for k in TRACKED}
+        self.initial = {"entropy": list(state.get("initial", {}).get("entropy", []))}
+        self.active = list(state.get("active", []))
+        self.log = {k: dict(v) for k, v in state.get("log", {}).items()}

@@ -325,3 +325,15 @@ def test_an_injected_reward_hack_raises_the_alarm_and_on_alarm_stop_ends_the_run
     assert rows[-1]["alarm/reward_jump"] == 1.0 and rows[-1]["step"] == alarm.step
     assert (tmp_path / "run" / "checkpoints" / f"step-{alarm.step}" / "state.json").is_file()
     assert "[alarm]" in capsys.readouterr().err
+
+
+def test_held_out_evaluation_is_logged_beside_the_training_reward(tmp_path):
+    from conftest import COUNT_PROMPTS, write_jsonl
+
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", COUNT_PROMPTS[:3])
+    summary, out = run(tmp_path, f"eval.data={held_out}", "eval.every=1", "eval.n=2", "eval.reward=space_share",
+                       "eval.threshold=0.1")
+    rows = rows_of(out)
+    for r in rows:
+        assert 0 <= r["eval/pass@1_low"] <= r["eval/pass@1"] <= r["eval/pass@1_high"] <= 1, r
+        assert "time/eval" in r

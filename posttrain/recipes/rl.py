@@ -37,6 +37,7 @@ from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.models.forward import unwrap
 from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.monitor.alarms import AlarmMonitor, AlarmSettings, AlarmStop
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
@@ -93,6 +94,7 @@ class RLConfig(CommonConfig):
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
     alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation every eval.every steps (docs/eval.md)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     samples_per_log: int = Field(2, ge=0, description="completions written to samples.jsonl each step")
@@ -175,6 +177,7 @@ class RLRun:
     measured: Measured = field(default_factory=Measured)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
+    eval_hook: EvalHook | None = None
 
 
 # ---------------------------------------------------------------- one step
@@ -366,6 +369,9 @@ def update_metrics(run: RLRun, stats: dict, lr: float, beta: float, batches) -> 
 
 def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics: dict) -> dict:
     cfg = run.cfg
+    if run.eval_hook is not None:  # held-out pass@1 with its interval, when due
+        with run.timer("eval"):
+            metrics = {**metrics, **run.eval_hook.maybe(run.engine, step + 1, last=step + 1 == cfg.max_steps)}
     scored = [t.reward for t in trajs if t.reward is not None]
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     all_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
@@ -417,6 +423,7 @@ def setup(cfg: RLConfig) -> RLRun:
     tok = load_tokenizer(cfg.model)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     reward_fn = build_reward(cfg, rows)
+    eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
     measured = Measured()
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
     model.train()
@@ -432,7 +439,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 EpochSampler(len(rows), cfg.seed), kl_ctl, adv_registry.get(cfg.advantage or preset.advantage),
                 policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
                 preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling,
-                default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms))
+                default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms), eval_hook=eval_hook)
     if uses_critic(preset):
         build_critic(run)
     state = life.restore(model, optimizer, scheduler, extras=critic_extras(run))

@@ -13,12 +13,18 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("posttrain.recipes.sft:main", "supervised fine-tuning (assistant-only loss, packing, LoRA)"),
     "rl": ("posttrain.recipes.rl:main", "online RL: grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp"),
+    "rm": ("posttrain.recipes.rm:main", "reward model (Bradley–Terry scalar head); `rm probe`: length bias, best-of-N, adversarial, calibration"),
+    "dpo": ("posttrain.recipes.dpo:main", "offline preference optimisation: dpo, ipo, robust_dpo, kto, orpo, simpo, rpo, dpo_norm"),
+    "rs": ("posttrain.recipes.rs:main", "rejection sampling: best of N by a reward -> SFT, iterated in rounds"),
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
+    "eval": ("posttrain.eval.cli:main", "pass@k, cons@k, pass^k with intervals; `eval compare A B`; `eval contamination`"),
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),
     "methods": ("posttrain.plan.methods_cli:main", "the method map: where reward, reference and value come from, models in memory"),
     "models": ("posttrain.models.cli:main", "list built-in models; `models fetch NAME` makes one available offline"),
     "quickstart": ("posttrain.recipes.quickstart:main", "the flagship recipe on SmolLM2-135M-Instruct, with a report"),
+    "serve": ("posttrain.rollout.serve:main", "an OpenAI-compatible server over the built-in engine (/v1/chat/completions, /v1/completions)"),
+    "label": ("posttrain.eval.label:main", "preference pairs labelled by an LLM judge in both orders (RLAIF), for rm and dpo"),
 }
 
 

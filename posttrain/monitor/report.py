@@ -62,8 +62,10 @@ def _table(data: dict[str, Any]) -> str:
     return "<table>" + "".join(cells) + "</table>"
 
 
-def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, Any]]) -> Path:
-    """Write run_dir/report.html: the summary sections as tables, then one plot per metric."""
+def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, Any]],
+                 images: list[str] | None = None) -> Path:
+    """Write run_dir/report.html: the summary sections as tables, then `images` (PNG files in run_dir,
+    e.g. a probe's plots), then one plot per metric."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
     plots = plot_metrics(rows, run_dir)
@@ -77,6 +79,8 @@ def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, 
         )
     body = "".join(f"<h2>{html.escape(name)}</h2>{_table(data)}" for name, data in sections.items() if data)
     imgs = "".join(f'<img src="{p}" alt="{p}">' for p in plots)
+    if images:
+        body += "<h2>Plots</h2>" + "".join(f'<img src="{html.escape(p)}" alt="{html.escape(p)}">' for p in images)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} table{{border-collapse:collapse;margin-bottom:16px}}
 th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px}} pre{{margin:0;white-space:pre-wrap}}

@@ -5,7 +5,7 @@ Per optimizer step:
     2. forward  log p(target) at loss positions only (chunked lm_head)
     3. loss     −Σ log p / (loss tokens in the whole step)  -> accumulation == one large batch
     4. update   clip grad norm, AdamW step, schedule step
-    5. log      metrics.jsonl (+ eval loss, samples, checkpoints at their intervals)
+    5. log      metrics.jsonl (+ eval loss, held-out pass@1 with `eval_tasks`, samples, checkpoints at their intervals)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
+from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
@@ -54,6 +55,8 @@ class SFTConfig(CommonConfig):
     eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of rows held out for eval loss when eval_data is empty")
     eval_every: int = Field(25, ge=0, description="eval loss every N steps (0: only at the end)")
     eval_max_rows: int = Field(64, ge=1, description="at most this many eval samples per evaluation")
+    eval_tasks: EvalSettings = Field(default_factory=EvalSettings,
+                                     description="held-out problems sampled and verified every eval_every steps (eval/pass@1 with its interval)")
     forgetting_probe: bool = Field(True, description="loss on an unrelated held-out text before and after training")
     sample_every: int = Field(25, ge=0, description="write a few greedy generations to samples.jsonl every N steps (0: off)")
     sample_count: int = Field(2, ge=0, description="generations per sampling")
@@ -136,6 +139,27 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig) -> fl
     return total / max(count, 1)
 
 
+def task_eval(hook: EvalHook, model, tok, cfg: SFTConfig, step: int) -> dict:
+    """Held-out pass@1 (and pass@k) from samples of the current weights (posttrain.eval.hook).
+    The engine is built on first use and shares the weights; LoRA runs sample through HF generate."""
+    if hook.backend is None:
+        if cfg.lora.enabled:
+            from posttrain.rollout.hf_backend import HFBackend
+
+            hook.backend = HFBackend(model, tok, seed=cfg.seed)
+        else:
+            from posttrain.models.forward import unwrap
+            from posttrain.rollout.engine import Engine, EngineConfig
+
+            seqs = min(64, len(hook.rows) * hook.settings.n)
+            hook.backend = Engine(unwrap(model), tok, EngineConfig(max_num_seqs=seqs, kv_cache_mb=256, seed=cfg.seed))
+    model.eval()
+    try:
+        return hook.maybe(hook.backend, step, last=True)
+    finally:
+        model.train()
+
+
 def probe_samples(tok) -> list[Tokenized]:
     return [render_text(tok, p.strip()) for p in PROBE_TEXT.read_text().split("\n") if p.strip()]
 
@@ -181,6 +205,7 @@ def train(cfg: SFTConfig) -> dict:
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
+    eval_hook = EvalHook(cfg.eval_tasks, tok, eval_every=cfg.eval_every)  # held-out problems: checked now too
     units = make_units(train_samples, cfg)
 
     measured = Measured()  # RSS baseline before the model exists
@@ -243,6 +268,8 @@ def train(cfg: SFTConfig) -> dict:
         done = step + 1
         if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
             row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
+        if eval_hook.due(done, last=done == cfg.max_steps):
+            row.update(task_eval(eval_hook, model, tok, cfg, done))
         if cfg.sample_every and sample_convs and (done % cfg.sample_every == 0 or done == cfg.max_steps):
             write_samples(model, tok, sample_convs, done, out / "samples.jsonl", cfg.sample_max_tokens)
         logged = metrics.write(done, row)

@@ -55,12 +55,12 @@ class RewardSpec:
     source: str = ""  # the file a user's reward was loaded from ("" for registered ones)
 
     def build(self, options: dict | None = None) -> RewardFn:
-        if not options:
+        if not options and not getattr(self.fn, "needs_options", False):  # needs_options: only the factory builds it (judge)
             return self.fn
         if self.factory is None:
             raise UserError(f"reward '{self.name}' takes no options (got {sorted(options)})")
         try:
-            return self.factory(**options)
+            return self.factory(**(options or {}))
         except TypeError as e:
             raise UserError(f"reward '{self.name}': bad options {options}: {e}") from None
 
@@ -104,6 +104,7 @@ def _load_builtins() -> None:
     # importing the modules registers their rewards
     from posttrain.rewards import code, format, language, shaping  # noqa: F401
     from posttrain.rewards import math as _math  # noqa: F401
+    from posttrain.rewards import judge  # noqa: F401
 
 
 def get(name: str) -> RewardSpec:
@@ -113,6 +114,10 @@ def get(name: str) -> RewardSpec:
         return _REGISTRY[name]
     if name in _FILE_REWARDS:
         return _FILE_REWARDS[name]
+    if name.startswith("rm:"):  # a trained reward-model folder: rm:PATH (rewards/reward_model.py)
+        from posttrain.rewards.reward_model import reward_model_spec
+
+        return reward_model_spec(name)
     close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     raise UserError(f"unknown reward '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))}; "
@@ -168,6 +173,10 @@ def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:
 
 def _split_weight(part: str) -> tuple[str, str]:
     """'math:0.5' -> ('math', '0.5'); 'dir/my.py:fn:0.5' -> ('dir/my.py:fn', '0.5')."""
+    if part.startswith("rm:"):  # 'rm:runs/rm/final:0.5' -> ('rm:runs/rm/final', '0.5')
+        from posttrain.rewards.reward_model import split_weight
+
+        return split_weight(part)
     ref = _file_ref(part)
     if ref is None:
         name, _, w = part.partition(":")
@@ -179,7 +188,7 @@ def _split_weight(part: str) -> tuple[str, str]:
 
 def _resolve(ref: str, sources: dict[str, str]) -> str:
     """Check a reference and return the reward's name; a file reference loads the file."""
-    if _file_ref(ref) is None:
+    if ref.startswith("rm:") or _file_ref(ref) is None:
         return get(ref).name
     spec = load_file_reward(ref)
     if sources.setdefault(spec.name, spec.source) != spec.source:

@@ -188,12 +188,25 @@ class Engine:
             self.scheduler.add(Group(parent, list(range(j0, min(p.n, j0 + chunk)))))
         return state
 
-    def generate(self, requests: list[Request]) -> list[RequestOutput]:
-        """Run requests to completion (continuous batching); outputs in request order."""
+    def generate(self, requests: list[Request], on_output=None) -> list[RequestOutput]:
+        """Run requests to completion (continuous batching); outputs in request order.
+        `on_output(output)`, if given, is called with each request's output as soon as its last sample
+        finishes (refused requests first), so a verifier can score while the engine keeps decoding."""
         self._t0 = time.perf_counter()
         if not self.scheduler.has_work():
             self._set_width(self._group_width(requests))
         states = [self._add(r, i) for i, r in enumerate(requests)]
+        pending = states
+        while pending and on_output is not None:  # report what is done, then step (O(pending) per step)
+            done = [s for s in pending if s.remaining == 0]
+            if done:
+                pending = [s for s in pending if s.remaining != 0]
+                for s in done:
+                    on_output(s.output)
+            if pending and not self.scheduler.has_work():
+                break  # defensive: a request with samples left always has queued work
+            if pending:
+                self.step()
         while self.scheduler.has_work():
             self.step()
         return [s.output for s in states]

@@ -1,0 +1,132 @@
+"""`posttrain eval`: evaluate a model on a task with verifiers; `eval compare`; `eval contamination`.
+
+    posttrain eval model=runs/rl/final data=single_digit_add:all n=8 k=1,2,4,8 reward=math \\
+        reward_args="{math: {mode: last_number}}" max_new_tokens=24 output_dir=runs/eval/rl
+    posttrain eval compare runs/eval/base/results.json runs/eval/rl/results.json [allow_protocol_diff=true]
+    posttrain eval contamination train=data/train.jsonl eval=single_digit_add:all [n=13]
+
+Everything that can be wrong with the data, the reward or the options is refused before the model
+loads. The run writes output_dir/results.json (protocol, metrics with intervals, per-item outcomes
+and samples) and output_dir/report.html.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from posttrain.config import parse_args
+from posttrain.errors import UserError
+from posttrain.eval import protocol as P
+from posttrain.eval.config import EvalConfig
+from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
+from posttrain.eval.results import curve, item_record, item_values, summarize
+from posttrain.eval.runner import extraction_settings, generate_and_score
+
+FORMAT = "posttrain.eval/1"
+
+
+def default_reward(rows) -> str:
+    """code when the rows carry tests or stdio cases, else math."""
+    return "code" if any(k in rows[0].data for k in ("tests", "stdio")) else "math"
+
+
+def prepare(cfg: EvalConfig):
+    """Data, reward, prompts: checked and rendered before any model loads. -> (items, reward_fn, spec, ex, shots, tok)"""
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.rewards.registry import compose
+
+    rows = load_rows(cfg.data, cfg.max_items)
+    spec = cfg.reward or default_reward(rows)
+    reward_fn = compose(spec, on_error="record", options={k: dict(v) for k, v in cfg.reward_args.items()})
+    check_columns(rows, reward_fn.columns)
+    ex = extraction_settings(reward_fn.parts, cfg.reward_args)
+    shots = few_shot_messages(cfg.few_shot)
+    tok = load_tokenizer(cfg.model)
+    items = build_items(tok, rows, cfg.system_prompt, shots, cfg.chat_template)
+    return items, reward_fn, spec, ex, shots, tok
+
+
+def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: list, tok) -> dict:
+    template = getattr(tok, "chat_template", None) or ""
+    return {
+        "model": {"name": cfg.model, "sha256": P.model_hash(cfg.model)},
+        "data": {"source": cfg.data, "hash": P.data_hash([it.data for it in items]), "items": len(items), "max_items": cfg.max_items},
+        "chat_template": {"applied": cfg.chat_template, "sha256": P.sha256_text(template), "text": template},
+        "system_prompt": cfg.system_prompt, "few_shot": shots, "example_prompt": items[0].prompt_text,
+        "sampling": cfg.sampling.model_dump(mode="json"), "n": cfg.n, "ks": cfg.ks, "seed": cfg.seed,
+        "reward": {"spec": spec, "args": cfg.reward_args, "threshold": cfg.threshold},
+        "extraction": ex or {"mode": None, "require": None},
+        "backend": cfg.backend, "dtype": cfg.dtype, "device": cfg.device,
+    }
+
+
+def make_backend(cfg: EvalConfig):
+    from posttrain.rollout.cli import GenerateConfig
+    from posttrain.rollout.cli import make_backend as build
+
+    gen = GenerateConfig(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+                         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb)
+    backend, _ = build(gen, cfg.model)
+    return backend
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    """Evaluate; write results.json and report.html; return the results."""
+    from posttrain.eval.report import write_eval_report
+    from posttrain.rewards.pool import default_pool
+
+    items, reward_fn, spec, ex, shots, tok = prepare(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    proto = make_protocol(cfg, items, spec, ex, shots, tok)
+    pool = default_pool(cfg.workers)
+    t_load = time.perf_counter()
+    backend = make_backend(cfg)
+    load_s = time.perf_counter() - t_load
+    results, timing = generate_and_score(backend, items, reward_fn, cfg.sampling, cfg.n, cfg.seed, cfg.threshold, ex, pool)
+    values = [item_values(r, cfg.n, cfg.ks, ex is not None, cfg.max_subsets, cfg.seed) for r in results]
+    summary = summarize(values, cfg.n, cfg.confidence, cfg.bootstrap, cfg.seed)
+    counts = {"items": len(items), "samples": len(items) * cfg.n, "refused": sum(1 for r in results if r.error),
+              "reward_errors": timing.pop("reward_errors"), "cluster_fallbacks": timing.pop("cluster_fallbacks"),
+              "truncated": sum(s.finish_reason == "length" for r in results for s in r.samples)}
+    doc = {"format": FORMAT, "protocol": proto, "metrics": summary, "curve": curve(summary, cfg.ks), "counts": counts,
+           "timing": {"model_load_s": load_s, **timing}, "confidence": cfg.confidence,
+           "items": [item_record(r, v, cfg.save_samples) for r, v in zip(results, values)]}
+    (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+    write_eval_report(out, doc, cfg.report_samples)
+    return doc
+
+
+def print_summary(doc: dict, out_dir: str) -> None:
+    c = doc["counts"]
+    pct = round(100 * doc["confidence"])
+    print(f"{c['items']} problems x {doc['protocol']['n']} samples ({doc['protocol']['model']['name']}, {doc['protocol']['data']['source']})")
+    for name, m in doc["metrics"].items():
+        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%  ({m['interval']})")
+    t = doc["timing"]
+    print(f"  {t['generated_tokens']} tokens in {t['wall_s']:.2f} s = {t['tokens_per_s']:.1f} tokens/s "
+          f"(generation {t['generate_s']:.2f} s, scoring after it {t['scoring_after_generation_s']:.2f} s)")
+    for key in ("refused", "reward_errors", "cluster_fallbacks"):
+        if c[key]:
+            print(f"  warning: {c[key]} {key.replace('_', ' ')} (see results.json)")
+    print(f"results: {out_dir}/results.json, report: {out_dir}/report.html")
+
+
+def main(argv: list[str]) -> int | None:
+    if argv and argv[0] == "compare":
+        from posttrain.eval.compare import main as compare_main
+
+        return compare_main(argv[1:])
+    if argv and argv[0] == "contamination":
+        from posttrain.eval.contamination import main as contamination_main
+
+        return contamination_main(argv[1:])
+    try:
+        cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    doc = run_eval(cfg)
+    print_summary(doc, cfg.output_dir)
+    return 0

@@ -1,0 +1,141 @@
+"""`posttrain eval compare A/results.json B/results.json`: is B's score different from A's?
+
+Two paired analyses of the same problems (paired by item id):
+- paired bootstrap over problems (`stats.paired_bootstrap`): the difference B − A of the metric,
+  its interval and p-value. Problems are the unit, so the answer generalises to problems like
+  these (the question a benchmark asks).
+- exact McNemar over paired samples (pass@1 only): sample j of problem i under A paired with
+  sample j of problem i under B; b = A right and B wrong, c = the reverse. Given the problems,
+  samples are independent draws, so under "same model" each discordant pair falls either way with
+  probability 1/2: a test of the two models *on these problems*.
+
+Protocols (data, chat template, system prompt, few-shot, sampling, n, reward, extraction) must
+match: a difference is refused, or with `allow_protocol_diff=true` reported as a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import Field
+
+from posttrain.config import Config, parse_args
+from posttrain.errors import UserError
+from posttrain.eval import protocol as P
+from posttrain.eval import stats
+
+
+class CompareConfig(Config):
+    """posttrain eval compare A/results.json B/results.json: difference B − A with interval and p-values."""
+
+    metric: str = Field("pass@1", description="per-problem metric to compare (pass@k, cons@k, pass^k, mean@n)")
+    allow_protocol_diff: bool = Field(False, description="compare even when the protocols differ (the differences are printed as warnings)")
+    confidence: float = Field(0.95, gt=0, lt=1, description="interval coverage; 'significant' means p < 1 − confidence")
+    bootstrap: int = Field(10000, ge=100, description="paired bootstrap resamples over problems")
+    seed: int = Field(0, description="bootstrap seed")
+    output: str = Field("", description="also write the comparison as JSON to this file")
+
+
+def load_results(path: str | Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no such results file (posttrain eval writes OUTPUT_DIR/results.json)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict) or not str(doc.get("format", "")).startswith("posttrain.eval/"):
+        raise UserError(f"{path}: not a posttrain eval results file (no 'format': 'posttrain.eval/…')")
+    doc["_path"] = str(path)
+    return doc
+
+
+def paired_items(a: dict, b: dict, allow: bool) -> tuple[list[dict], list[dict], list[str]]:
+    ia, ib = {it["id"]: it for it in a["items"]}, {it["id"]: it for it in b["items"]}
+    common = [i for i in ia if i in ib]
+    warnings = []
+    if len(common) != len(ia) or len(common) != len(ib):
+        msg = f"the results hold different problems ({len(ia)} and {len(ib)}, {len(common)} in common)"
+        if not allow or not common:
+            raise UserError(msg + ("" if common else "; nothing to pair"))
+        warnings.append(msg + ": comparing the common ones")
+    return [ia[i] for i in common], [ib[i] for i in common], warnings
+
+
+def mcnemar_counts(xa: list[dict], xb: list[dict]) -> tuple[int, int] | None:
+    """(b, c) over paired samples, or None when the per-sample outcomes do not pair (different n)."""
+    b = c = 0
+    for ia, ib in zip(xa, xb):
+        ra, rb = ia.get("correct"), ib.get("correct")
+        if ra is None or rb is None or len(ra) != len(rb) or not ra:
+            return None
+        b += sum(1 for x, y in zip(ra, rb) if x and not y)
+        c += sum(1 for x, y in zip(ra, rb) if y and not x)
+    return b, c
+
+
+def compare(a: dict, b: dict, metric: str = "pass@1", allow_protocol_diff: bool = False, confidence: float = 0.95,
+            resamples: int = 10000, seed: int = 0) -> dict:
+    """The comparison of results B against A (dicts as written by `posttrain eval`)."""
+    diffs = P.differences(a["protocol"], b["protocol"])
+    if diffs and not allow_protocol_diff:
+        lines = "\n".join(f"  {k}: {va!r} vs {vb!r}"[:300] for k, va, vb in diffs)
+        raise UserError(f"the protocols differ, so the scores are not comparable:\n{lines}\n"
+                        "(pass allow_protocol_diff=true to compare anyway)")
+    warnings = [f"protocol differs: {k}: {va!r} vs {vb!r}"[:300] for k, va, vb in diffs]
+    xa, xb, more = paired_items(a, b, allow_protocol_diff)
+    warnings += more
+    if metric not in xa[0] or metric not in xb[0]:
+        have = sorted(k for k in xa[0] if k in xb[0] and ("@" in k or "^" in k))
+        raise UserError(f"metric '{metric}' is not in both results (both have: {', '.join(have)})")
+    va, vb = [it[metric] for it in xa], [it[metric] for it in xb]
+    boot = stats.paired_bootstrap(va, vb, confidence, resamples, seed)
+    _, nlow, nhigh = stats.normal_interval([y - x for x, y in zip(va, vb)], confidence)
+    out = {"metric": metric, "a": {"path": a.get("_path"), "model": a["protocol"]["model"]["name"], "seed": a["protocol"]["seed"],
+                                   "value": sum(va) / len(va)},
+           "b": {"path": b.get("_path"), "model": b["protocol"]["model"]["name"], "seed": b["protocol"]["seed"], "value": sum(vb) / len(vb)},
+           "confidence": confidence, "bootstrap": boot, "normal": {"low": nlow, "high": nhigh}, "warnings": warnings}
+    counts = mcnemar_counts(xa, xb) if metric == "pass@1" else None
+    if counts is not None:
+        out["mcnemar"] = {"b": counts[0], "c": counts[1], "pairs": sum(len(it["correct"]) for it in xa),
+                          "p_value": stats.mcnemar_exact(*counts)}
+    alpha = 1 - confidence
+    out["significant"] = boot["p_value"] < alpha and (counts is None or out["mcnemar"]["p_value"] < alpha)
+    return out
+
+
+def print_comparison(r: dict) -> None:
+    pct = round(100 * r["confidence"])
+    for w in r["warnings"]:
+        print(f"warning: {w}")
+    for side in ("a", "b"):
+        s = r[side]
+        print(f"{side.upper()}: {s['path']}  {r['metric']} = {s['value']:.4f}  (model {s['model']}, seed {s['seed']})")
+    bt = r["bootstrap"]
+    print(f"B − A = {bt['diff']:+.4f}  {pct}% paired bootstrap interval [{bt['low']:+.4f}, {bt['high']:+.4f}], "
+          f"p = {bt['p_value']:.4g} ({bt['resamples']} resamples over {bt['items']} problems)")
+    print(f"        normal interval over problems [{r['normal']['low']:+.4f}, {r['normal']['high']:+.4f}]")
+    if "mcnemar" in r:
+        m = r["mcnemar"]
+        print(f"exact McNemar over {m['pairs']} paired samples: A right/B wrong {m['b']}, A wrong/B right {m['c']}, p = {m['p_value']:.4g}")
+    verdict = "significantly different" if r["significant"] else "not significantly different"
+    print(f"=> {verdict} at α = {1 - r['confidence']:.2g}")
+
+
+def main(argv: list[str]) -> int:
+    paths = [a for a in argv if "=" not in a and not a.startswith("-")]
+    rest = [a for a in argv if a not in paths]
+    if "-h" in rest or "--help" in rest:
+        parse_args(CompareConfig, ["--help"], prog="posttrain eval compare A/results.json B/results.json")
+    if len(paths) != 2:
+        raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] [metric=pass@1]")
+    cfg = parse_args(CompareConfig, rest, prog="posttrain eval compare A/results.json B/results.json")
+    result = compare(load_results(paths[0]), load_results(paths[1]), cfg.metric, cfg.allow_protocol_diff,
+                     cfg.confidence, cfg.bootstrap, cfg.seed)
+    print_comparison(result)
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps(result, indent=1))
+    return 0

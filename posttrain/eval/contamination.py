@@ -1,0 +1,119 @@
+"""`posttrain eval contamination train=… eval=… [n=13]`: n-gram overlap between a training set and an
+evaluation set, per evaluation item and overall.
+
+Text is normalised as in the GPT-3 contamination study (Brown et al. 2020, appendix C): lower case,
+punctuation dropped, split into words. An evaluation item is *contaminated* when any of its word
+n-grams (n = 13 by default) occurs anywhere in the training text; an item shorter than n words is
+checked as a whole (its full word sequence must occur in a training row). Reported per item: its
+n-grams found in training / its n-grams; overall: the share of contaminated items and of all
+evaluation n-grams found. The text of a training row is every string in it (prompt, messages'
+contents, completion, answer, …); of an evaluation row, its `prompt` (what the model is asked; every
+string when it has none, or the columns named in `fields`). N-grams never cross fields or messages.
+A field shorter than `min_words` (8, GPT-3's smallest N) is too short to tell anything and is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from pydantic import Field
+
+from posttrain.config import Config, parse_args
+from posttrain.errors import UserError
+
+_WORD = re.compile(r"[^\W_]+", re.UNICODE)
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased words, punctuation and whitespace dropped."""
+    return _WORD.findall(text.lower())
+
+
+def row_texts(value) -> list[str]:
+    """Every string inside a row (nested lists and dicts included), in order; `role` keys skipped."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() if k != "role" for t in row_texts(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in row_texts(v)]
+    return []
+
+
+def _key(gram: list[str] | tuple[str, ...]) -> bytes:
+    return hashlib.blake2b(" ".join(gram).encode(), digest_size=12).digest()
+
+
+def windows(ws: list[str], m: int) -> list[bytes]:
+    """Hashed m-word windows of one field."""
+    return [_key(ws[i:i + m]) for i in range(len(ws) - m + 1)]
+
+
+def item_grams(fields: list[list[str]], n: int, min_words: int = 8) -> list[bytes]:
+    """An item's distinct n-grams; a field shorter than n words counts as one gram (its whole sequence),
+    one shorter than min_words not at all. Grams never cross fields."""
+    grams = [g for ws in fields if len(ws) >= min(n, min_words) for g in (windows(ws, n) if len(ws) >= n else [_key(ws)])]
+    return list(dict.fromkeys(grams))
+
+
+def train_index(rows: list[dict], sizes: set[int]) -> set[bytes]:
+    """Hashes of every window of the given sizes in the training text (n, plus the lengths of short eval fields)."""
+    index: set[bytes] = set()
+    for row in rows:
+        for text in row_texts(row):
+            ws = words(text)
+            for m in sizes:
+                index.update(windows(ws, m))
+    return index
+
+
+def overlap(train_rows: list[dict], eval_rows: list[dict], n: int = 13, fields: tuple[str, ...] = ("prompt",),
+            min_words: int = 8) -> dict:
+    """{"items": [{index, id, grams, found, contaminated}], "contaminated_items", "contaminated_fraction", "gram_fraction"}."""
+    pick = lambda r: {k: r[k] for k in fields if k in r} or r  # noqa: E731 - a row without the fields: all of it
+    eval_fields = [[words(t) for t in row_texts(pick(r))] for r in eval_rows]
+    short = {len(ws) for f in eval_fields for ws in f if min(n, min_words) <= len(ws) < n}
+    index = train_index(train_rows, {n} | short)
+    items, total, found_all = [], 0, 0
+    for i, (row, f) in enumerate(zip(eval_rows, eval_fields)):
+        grams = item_grams(f, n, min_words)
+        found = sum(g in index for g in grams)
+        total += len(grams)
+        found_all += found
+        items.append({"index": i, "id": row.get("id", i + 1), "grams": len(grams), "found": found, "contaminated": found > 0})
+    dirty = sum(it["contaminated"] for it in items)
+    return {"n": n, "train_rows": len(train_rows), "eval_rows": len(eval_rows), "items": items, "contaminated_items": dirty,
+            "contaminated_fraction": dirty / len(items) if items else 0.0, "gram_fraction": found_all / total if total else 0.0}
+
+
+class ContaminationConfig(Config):
+    """posttrain eval contamination: n-gram overlap of an evaluation set with a training set."""
+
+    train: str = Field("", description="training data: file, datasets folder or task")
+    eval: str = Field("", description="evaluation data: file, datasets folder or task")
+    n: int = Field(13, ge=1, description="words per n-gram (13: GPT-3's contamination check)")
+    fields: list[str] = Field(default_factory=lambda: ["prompt"], description="columns of an evaluation row to check (a row without them: every string in it); training rows: every string")
+    min_words: int = Field(8, ge=1, description="fields shorter than this many words are skipped (too short to tell)")
+    output: str = Field("", description="write the per-item report as JSON here")
+
+
+def main(argv: list[str]) -> int:
+    from posttrain.data.formats import read_rows
+
+    cfg = parse_args(ContaminationConfig, argv, prog="posttrain eval contamination")
+    if not cfg.train or not cfg.eval:
+        raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")
+    train = [r.data for r in read_rows(cfg.train)]
+    evals = [r.data for r in read_rows(cfg.eval)]
+    rep = overlap(train, evals, cfg.n, tuple(cfg.fields), cfg.min_words)
+    print(f"{rep['contaminated_items']} of {rep['eval_rows']} evaluation items share a {cfg.n}-gram with the "
+          f"{rep['train_rows']} training rows ({100 * rep['contaminated_fraction']:.1f}%); "
+          f"{100 * rep['gram_fraction']:.1f}% of evaluation {cfg.n}-grams occur in training")
+    for it in [x for x in rep["items"] if x["contaminated"]][:10]:
+        print(f"  item {it['id']}: {it['found']} of {it['grams']} n-grams found")
+    if cfg.output:
+        Path(cfg.output).write_text(json.dumps({"train": cfg.train, "eval": cfg.eval, **rep}, indent=1))
+    return 0

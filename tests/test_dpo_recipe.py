@@ -158,3 +158,17 @@ def test_config_errors(args, message):
     with pytest.raises(ConfigError) as e:
         parse_args(dpo.DPOConfig, ["data=x.jsonl", *args])
     assert message in str(e.value)
+
+
+def test_kto_on_unpaired_data_reports_label_accuracy(tmp_path):
+    rows = [{"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"}
+            for r in rule_pairs(24) for key in ("chosen", "rejected")]
+    data = write_jsonl(tmp_path / "unpaired.jsonl", rows)
+    cfg = parse_args(dpo.DPOConfig, [*BASE, f"data={data}", f"output_dir={tmp_path / 'run'}", "loss=kto", "max_steps=6"])
+    run, out = train_steps(cfg)
+    assert run.evals and all(e.label is not None for e in run.evals)
+    assert out[-1]["eval/label_accuracy"] >= 0.8 and "eval/accuracy" not in out[-1]
+    from posttrain.errors import DataError
+
+    with pytest.raises(DataError, match="no usable format"):  # a paired loss cannot read unpaired data
+        dpo.setup(parse_args(dpo.DPOConfig, [*BASE, f"data={data}", f"output_dir={tmp_path / 'dpo'}", "loss=dpo"]))

@@ -25,8 +25,10 @@ MODEL = "smollm2-135m-instruct"
 REWARD_OPTIONS = {"math": {"mode": "last_number"}}
 
 
-def own_pairs(model, tok, samples: int = 32, seed: int = 0, pairs_per_prompt: int = 4) -> list[dict]:
-    """Preference pairs from the model's own samples: (correct, incorrect) of the same prompt, distinct texts."""
+def own_pairs(model, tok, samples: int = 32, seed: int = 0, pairs_per_prompt: int = 4,
+              finished_only: bool = True) -> list[dict]:
+    """Preference pairs from the model's own samples: (correct, incorrect) of the same prompt, distinct texts;
+    `finished_only`: samples that ended (not cut at the 24-token limit), whose last number is their answer."""
     from posttrain.data.tasks import generate
     from posttrain.data.templates import render_prompt
     from posttrain.rewards.registry import compose
@@ -40,7 +42,7 @@ def own_pairs(model, tok, samples: int = 32, seed: int = 0, pairs_per_prompt: in
     reward = compose("math", options=REWARD_OPTIONS)
     pairs = []
     for r, out in zip(rows, outs):
-        done = [s.text.strip() for s in out.samples if s.text.strip()]
+        done = [s.text.strip() for s in out.samples if s.text.strip() and (s.finish_reason == "stop" or not finished_only)]
         scores = reward([r["prompt"]] * len(done), done, answer=[r["answer"]] * len(done))
         good = list(dict.fromkeys(t for t, s in zip(done, scores) if s == 1.0))  # distinct texts, sample order
         bad = list(dict.fromkeys(t for t, s in zip(done, scores) if s == 0.0))

@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),
     "methods": ("posttrain.plan.methods_cli:main", "the method map: where reward, reference and value come from, models in memory"),
     "models": ("posttrain.models.cli:main", "list built-in models; `models fetch NAME` makes one available offline"),
-    "quickstart": ("posttrain.recipes.quickstart:main", "the flagship recipe on SmolLM2-135M-Instruct, with a report"),
+    "quickstart": ("posttrain.recipes.quickstart:main", "eval -> GRPO -> eval -> paired test on SmolLM2-135M-Instruct, one report"),
+    "report": ("posttrain.monitor.report_cli:main", "rebuild report.html of a run or quickstart folder from its files"),
     "serve": ("posttrain.rollout.serve:main", "an OpenAI-compatible server over the built-in engine (/v1/chat/completions, /v1/completions)"),
     "label": ("posttrain.eval.label:main", "preference pairs labelled by an LLM judge in both orders (RLAIF), for rm and dpo"),
 }

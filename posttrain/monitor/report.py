@@ -64,10 +64,13 @@ def _table(data: dict[str, Any]) -> str:
 
 def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, Any]],
                  images: list[str] | None = None) -> Path:
-    """Write run_dir/report.html: the summary sections as tables, then `images` (PNG files in run_dir,
-    e.g. a probe's plots), then one plot per metric."""
+    """Write run_dir/report.html: the grid of grouped training plots (monitor/dashboard.py), the summary
+    sections as tables, then `images` (PNG files in run_dir, e.g. a probe's plots), then one plot per metric."""
     run_dir = Path(run_dir)
+    from posttrain.monitor.dashboard import plot_dashboard
+
     rows = read_metrics(run_dir / "metrics.jsonl")
+    grid = plot_dashboard(rows, run_dir / "dashboard.png")
     plots = plot_metrics(rows, run_dir)
     samples = run_dir / "samples.jsonl"
     sample_html = ""
@@ -85,7 +88,8 @@ def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, 
 <style>body{{font-family:sans-serif;margin:24px;max-width:1400px}} table{{border-collapse:collapse;margin-bottom:16px}}
 th,td{{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px}} pre{{margin:0;white-space:pre-wrap}}
 img{{margin:4px;border:1px solid #eee}} .s{{border:1px solid #ddd;margin:6px 0;padding:6px}} .c{{background:#f4fff4}}</style></head>
-<body><h1>{html.escape(title)}</h1>{body}<h2>Metrics ({len(rows)} steps)</h2>{imgs}{sample_html}</body></html>"""
+<body><h1>{html.escape(title)}</h1>{f'<img src="{grid.name}" alt="training curves" style="max-width:100%">' if grid else ''}
+{body}<details><summary><b>Every metric ({len(rows)} steps)</b></summary>{imgs}</details>{sample_html}</body></html>"""
     out = run_dir / "report.html"
     out.write_text(page)
     return out

@@ -1,16 +1,18 @@
-"""`posttrain quickstart`: the flagship pipeline on the real SmolLM2-135M-Instruct, ending in a report.
+"""`posttrain quickstart`: does RL teach the real SmolLM2-135M-Instruct something, and is the gain real?
 
-    stage 1  sft   assistant-only SFT on the built-in arithmetic task (boxed answers)
-    stage 2  rl    GRPO from the SFT model with the math verifier as reward
-    report         output_dir/report.html links both runs' reports, plan vs measured included
+    1/4  evaluate   the base model on 27 held-out single-digit additions (n samples each, pass@k with intervals)
+    2/4  GRPO       on the 54 other additions, reward = a verifier (the planner's prediction printed first)
+    3/4  evaluate   the trained model with the same protocol
+    4/4  compare    paired bootstrap over problems + exact McNemar over samples -> report.html
 
-Runs configs/quickstart.yaml; any key can be overridden (`posttrain quickstart rl.max_steps=2`).
+Runs configs/quickstart.yaml; any key can be overridden (`posttrain quickstart rl.max_steps=10`).
+Stopping it and running it again resumes: finished evaluations are reused, GRPO continues from its last
+checkpoint (`rl.save_every`), unless `fresh=true`. `posttrain report runs/quickstart` rebuilds the page.
 Needs `posttrain models fetch smollm2-135m-instruct` first (`make quickstart` does both).
 """
 
 from __future__ import annotations
 
-import html
 import json
 import shutil
 import time
@@ -19,49 +21,111 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.eval.config import EvalConfig
 from posttrain.recipes import rl as rl_recipe
-from posttrain.recipes import sft as sft_recipe
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 
 
 class QuickstartConfig(Config):
-    """posttrain quickstart: SFT then GRPO on SmolLM2-135M-Instruct, with one report."""
+    """posttrain quickstart: held-out eval -> GRPO -> held-out eval -> paired test -> report.html."""
 
-    output_dir: str = Field("runs/quickstart", description="parent folder of the sft/ and rl/ runs and the report")
-    sft: sft_recipe.SFTConfig = Field(default_factory=sft_recipe.SFTConfig)
-    rl: rl_recipe.RLConfig = Field(default_factory=rl_recipe.RLConfig)
+    output_dir: str = Field("runs/quickstart", description="folder of eval_before/, rl/, eval_after/, compare.json and report.html")
+    model: str = Field("smollm2-135m-instruct", description="the model to train (built-in name, HF folder or Hub id)")
+    fresh: bool = Field(False, description="delete output_dir first (default: reuse finished stages, resume GRPO)")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="the held-out evaluation, before and after")
+    rl: rl_recipe.RLConfig = Field(default_factory=rl_recipe.RLConfig, description="the GRPO run")
+
+
+def clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
+
+
+def run_eval_stage(cfg: EvalConfig, model: str, out: Path, label: str) -> dict:
+    """`posttrain eval` with the quickstart's protocol; a finished result with the same config is reused."""
+    from posttrain.eval.cli import run_eval
+
+    stage = cfg.model_copy(update={"model": model, "output_dir": str(out)})
+    key = stage.model_dump(mode="json")
+    marker = out / "quickstart_stage.json"
+    if (out / "results.json").is_file() and marker.is_file() and json.loads(marker.read_text()) == key:
+        doc = json.loads((out / "results.json").read_text())
+        print(f"{label}: reusing {out}/results.json", flush=True)
+    else:
+        t0 = time.perf_counter()
+        doc = run_eval(stage)
+        marker.write_text(json.dumps(key))
+        print(f"{label}: done in {clock(time.perf_counter() - t0)}", flush=True)
+    m = doc["metrics"]
+    shown = "  ".join(f"{k} {v['value']:.3f} [{v['low']:.3f}, {v['high']:.3f}]" for k, v in m.items() if k.startswith("pass@"))
+    print(f"      {doc['counts']['items']} problems x {doc['protocol']['n']} samples: {shown}", flush=True)
+    return doc
+
+
+def print_plan(run_dir: Path) -> None:
+    p = json.loads((run_dir / "plan.json").read_text())["predicted"]
+    gib = p["peak_bytes_estimate"] / 2**30
+    secs = p.get("seconds_per_step")
+    per_step = f"{secs:.1f} s/step" if isinstance(secs, (int, float)) else "time: no hardware profile"
+    print(f"      plan: {p['params'] / 1e6:.0f}M parameters, {p['models_in_memory']} model(s) in memory, "
+          f"peak ≈ {gib:.1f} GiB, {p['tokens_per_step']:.0f} tokens and {p['flops_per_step'] / 1e12:.2f} TFLOP per step, "
+          f"{per_step}", flush=True)
+
+
+def progress_line(step: int, total: int, row: dict, t0: float, start: int, tail_s: float) -> str:
+    """`step 12/40 | reward 0.53 | held-out pass@1 0.61 [0.52, 0.70] | 0:45 elapsed, ~1:50 left`"""
+    done = time.perf_counter() - t0
+    left = done / max(step - start, 1) * (total - step) + tail_s
+    text = f"      step {step:>3}/{total} | reward {row['reward/mean']:.3f}"
+    if "eval/pass@1" in row:
+        text += f" | held-out pass@1 {row['eval/pass@1']:.3f} [{row['eval/pass@1_low']:.3f}, {row['eval/pass@1_high']:.3f}]"
+    return text + f" | {clock(done)} elapsed, ~{clock(left)} left"
+
+
+def run_rl_stage(cfg: rl_recipe.RLConfig, eval_s: float) -> dict:
+    """GRPO, resumed from its newest checkpoint when one exists; skipped when it already finished."""
+    out = Path(cfg.output_dir)
+    if (out / "summary.json").is_file() and (out / "final" / "config.json").is_file():
+        print(f"[2/4] {cfg.algo.upper()}: reusing the finished run in {out}", flush=True)
+        return json.loads((out / "summary.json").read_text())
+    cfg = cfg.model_copy(update={"resume": True})
+    print(f"[2/4] {cfg.algo.upper()} on {cfg.data}, reward {cfg.reward}, {cfg.max_steps} steps of "
+          f"{cfg.prompts_per_step} prompts x {cfg.group_size} samples", flush=True)
+    run = rl_recipe.setup(cfg)
+    print_plan(out)
+    if run.life.start:
+        print(f"      resuming from step {run.life.start}", flush=True)
+    t0 = time.perf_counter()
+    for step in range(run.life.start, cfg.max_steps):
+        row = rl_recipe.rl_step(run, step)
+        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, rl_recipe.checkpoint_state(run))
+        print(progress_line(step + 1, cfg.max_steps, row, t0, run.life.start, eval_s), flush=True)
+    return rl_recipe.finish(run)
 
 
 def main(argv: list[str]) -> None:
+    from posttrain.eval.compare import compare, print_comparison
+    from posttrain.recipes.quickstart_report import machine, write_quickstart_report
+
     args = ["--config", str(CONFIG)] if CONFIG.is_file() else []
     cfg = parse_args(QuickstartConfig, [*args, *argv], prog="posttrain quickstart")
     out = Path(cfg.output_dir)
-    shutil.rmtree(out, ignore_errors=True)  # the quickstart always starts fresh
-    cfg.sft.output_dir = str(out / "sft")
-    cfg.rl.output_dir = str(out / "rl")
-    cfg.rl.model = str(out / "sft" / "final")
-
+    if cfg.fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    cfg.rl.model, cfg.rl.output_dir = cfg.model, str(out / "rl")
     t0 = time.perf_counter()
-    print(f"[1/2] SFT on {cfg.sft.model} ({cfg.sft.max_steps} steps)", flush=True)
-    s1 = sft_recipe.train(cfg.sft)
-    print(f"      loss {s1['first_loss']:.3f} -> {s1['last_loss']:.3f}, eval {s1['final_eval_loss']:.3f}, "
-          f"forgetting probe {s1.get('probe_loss_delta', float('nan')):+.3f} nats", flush=True)
-    print(f"[2/2] RL ({cfg.rl.algo}, reward={cfg.rl.reward}) from the SFT model ({cfg.rl.max_steps} steps)", flush=True)
-    s2 = rl_recipe.train(cfg.rl)
-    print(f"      reward {s2['first_reward']:.3f} -> {s2['last_reward']:.3f}", flush=True)
-    report = write_index(out, {"sft": s1, "rl": s2}, time.perf_counter() - t0)
-    print(f"\nquickstart done in {time.perf_counter() - t0:.0f} s; report: {report.resolve()}")
-
-
-def write_index(out: Path, summaries: dict, seconds: float) -> Path:
-    rows = "".join(
-        f"<h2><a href='{name}/report.html'>{name}</a></h2><pre>{html.escape(json.dumps(s, indent=1, default=str))}</pre>"
-        for name, s in summaries.items()
-    )
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>posttrain quickstart</title></head>"
-            f"<body style='font-family:sans-serif;margin:24px'><h1>posttrain quickstart</h1>"
-            f"<p>SFT then GRPO on SmolLM2-135M-Instruct, {seconds:.0f} s on this machine.</p>{rows}</body></html>")
-    path = out / "report.html"
-    path.write_text(page)
-    return path
+    print(f"[1/4] evaluate {cfg.model} on {cfg.eval.data}", flush=True)
+    before = run_eval_stage(cfg.eval, cfg.model, out / "eval_before", "      base model")
+    eval_s = before["timing"].get("wall_s", 30.0)
+    run_rl_stage(cfg.rl, eval_s)
+    print(f"[3/4] evaluate the trained model ({out / 'rl' / 'final'})", flush=True)
+    after = run_eval_stage(cfg.eval, str(out / "rl" / "final"), out / "eval_after", "      trained model")
+    print("[4/4] compare (paired over the same problems and sample seeds)", flush=True)
+    before["_path"], after["_path"] = str(out / "eval_before" / "results.json"), str(out / "eval_after" / "results.json")
+    result = compare(before, after)
+    (out / "compare.json").write_text(json.dumps(result, indent=1))
+    print_comparison(result)
+    (out / "quickstart.json").write_text(json.dumps({"machine": machine(), "seconds": time.perf_counter() - t0}))
+    report = write_quickstart_report(out)
+    print(f"\nquickstart done in {clock(time.perf_counter() - t0)}; report: {report.resolve()}")

@@ -25,12 +25,15 @@ def arithmetic(n: int, rng: random.Random) -> list[dict]:
 
 DIGIT_PROMPT = "What is {a} + {b}? Answer with just the number."
 DIGIT_PAIRS = [(a, b) for a in range(1, 10) for b in range(1, 10)]  # the 81 single-digit problems
+# a fixed split for honest held-out evaluation: every third pair (27) is held out, 54 are for training
+HELDOUT_PAIRS = DIGIT_PAIRS[1::3]
+TRAIN_PAIRS = [p for p in DIGIT_PAIRS if p not in HELDOUT_PAIRS]
 
 
-def single_digit_add(n: int | None, rng: random.Random) -> list[dict]:
+def single_digit_add(n: int | None, rng: random.Random, pool: list[tuple[int, int]] = DIGIT_PAIRS) -> list[dict]:
     """Single-digit addition, answered with just the number (score it with `math` in `last_number`
-    mode). n rows drawn uniformly from the 81 pairs; n=None: each pair once, in order (an eval set)."""
-    pairs = DIGIT_PAIRS if n is None else [rng.choice(DIGIT_PAIRS) for _ in range(n)]
+    mode). n rows drawn uniformly from the pairs of `pool`; n=None: each pair once, in order (an eval set)."""
+    pairs = pool if n is None else [rng.choice(pool) for _ in range(n)]
     rows = []
     for a, b in pairs:
         question = DIGIT_PROMPT.format(a=a, b=b)
@@ -40,3 +43,13 @@ def single_digit_add(n: int | None, rng: random.Random) -> list[dict]:
             "answer": str(a + b),
         })
     return rows
+
+
+def single_digit_add_train(n: int | None, rng: random.Random) -> list[dict]:
+    """The 54 training pairs of the fixed split (`single_digit_add_heldout` has the other 27)."""
+    return single_digit_add(n, rng, TRAIN_PAIRS)
+
+
+def single_digit_add_heldout(n: int | None, rng: random.Random) -> list[dict]:
+    """The 27 held-out pairs (every third of the 81): never drawn by `single_digit_add_train`."""
+    return single_digit_add(n, rng, HELDOUT_PAIRS)

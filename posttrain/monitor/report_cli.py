@@ -1,0 +1,36 @@
+"""`posttrain report DIR`: rebuild report.html from the files a run left in DIR (nothing is recomputed).
+
+A quickstart folder (eval_before/, eval_after/, compare.json) gets the quickstart page; any other run
+directory with metrics.jsonl gets the run page (grid of training plots, summary.json, plan vs measured).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from posttrain.errors import UserError
+
+
+def rebuild(run_dir: str | Path) -> Path:
+    from posttrain.monitor.report import write_report
+    from posttrain.recipes.quickstart_report import write_quickstart_report
+
+    d = Path(run_dir)
+    if (d / "compare.json").is_file() and (d / "eval_before").is_dir():
+        return write_quickstart_report(d)
+    if not (d / "metrics.jsonl").is_file():
+        raise UserError(f"{d}: no metrics.jsonl (nor a quickstart's compare.json): not a run directory")
+    sections = {}
+    for name, file in (("summary", "summary.json"), ("plan vs measured", "plan.json")):
+        if (d / file).is_file():
+            data = json.loads((d / file).read_text())
+            sections[name] = data.get("comparison", {}) if file == "plan.json" else data
+    return write_report(d, f"run — {d}", sections)
+
+
+def main(argv: list[str]) -> None:
+    dirs = [a for a in argv if not a.startswith("-")]
+    if len(dirs) != 1 or any(a in ("-h", "--help") for a in argv):
+        raise UserError("usage: posttrain report RUN_DIR   (rebuilds RUN_DIR/report.html from its files)")
+    print(f"report: {rebuild(dirs[0]).resolve()}")

@@ -1,0 +1,139 @@
+"""The quickstart's report.html: the before/after result with its test on top, then the training grid,
+alarms, predicted vs measured cost and the same prompts answered before and after.
+
+Built only from files in the quickstart folder (eval_before/results.json, rl/metrics.jsonl, rl/plan.json,
+rl/summary.json, eval_after/results.json, compare.json), so `posttrain report runs/quickstart` redoes it.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from posttrain.monitor.dashboard import plot_dashboard, step_minutes
+from posttrain.monitor.metrics import read_metrics
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:20px auto;max-width:1540px;color:#222;padding:0 16px}
+h1{font-size:22px;margin:0 0 10px} h2{font-size:17px;margin:22px 0 8px;border-bottom:1px solid #ddd}
+.head{display:flex;gap:28px;align-items:center;background:#f5f8ff;border:1px solid #cbd8f0;padding:12px 18px;border-radius:6px}
+.big{font-size:34px;font-weight:600} .arrow{font-size:28px;color:#666} .ci{color:#555;font-size:14px}
+.verdict{font-size:15px;line-height:1.5} .ok{background:#eefbee} .bad{background:#fdeeee}
+table{border-collapse:collapse;font-size:13px;margin:4px 0} th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
+pre{margin:1px 0;white-space:pre-wrap;font-size:12px;padding:1px 4px} img{max-width:100%;border:1px solid #eee}
+.muted{color:#666;font-size:13px}"""
+
+
+def machine() -> str:
+    """`AMD EPYC 9R14, 2 threads` (CPU model from /proc/cpuinfo, torch's thread count), or the GPU's name."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    name = platform.processor() or platform.machine()
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("model name"))
+        name = line.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
+def _load(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _pct(m: dict) -> str:
+    return f"<span class=big>{m['value']:.2f}</span> <span class=ci>[{m['low']:.2f}, {m['high']:.2f}]</span>"
+
+
+def headline(before: dict, after: dict, cmp: dict, rows: list[dict], hardware: str) -> str:
+    b1, a1 = before["metrics"]["pass@1"], after["metrics"]["pass@1"]
+    bt = cmp["bootstrap"]
+    conf = round(100 * cmp["confidence"])
+    mc = cmp.get("mcnemar")
+    mc_text = f"; exact McNemar over {mc['pairs']} paired samples p = {mc['p_value']:.2g}" if mc else ""
+    verdict = "significant" if cmp["significant"] else "<b>not</b> significant"
+    others = ", ".join(f"{k} {before['metrics'][k]['value']:.2f} → {after['metrics'][k]['value']:.2f}"
+                       for k in after["metrics"] if k.startswith(("pass@", "pass^")) and k != "pass@1" and k in before["metrics"])
+    proto = before["protocol"]
+    minutes = step_minutes(rows)
+    train = f"{len(rows)} GRPO steps in {max(minutes.values(), default=0):.1f} min" if rows else "no training steps logged"
+    return (f"<div class=head><div>held-out pass@1<br>{_pct(b1)}</div><div class=arrow>→</div><div>after GRPO<br>{_pct(a1)}</div>"
+            f"<div class=verdict>difference <b>{bt['diff']:+.3f}</b>, {conf}% paired bootstrap interval "
+            f"[{bt['low']:+.3f}, {bt['high']:+.3f}], p = {bt['p_value']:.2g}{mc_text}: {verdict} at α = {1 - cmp['confidence']:.2g}<br>"
+            f"{others}<br><span class=muted>{proto['data']['items']} held-out problems ({html.escape(proto['data']['source'])}) × "
+            f"{proto['n']} samples at temperature {proto['sampling']['temperature']}; {train} on {html.escape(hardware)}</span></div></div>")
+
+
+def cost_table(plan: dict | None) -> str:
+    if not plan or not plan.get("measured"):
+        return "<p class=muted>no plan.json with measurements</p>"
+    p, m = plan["predicted"], plan["measured"]
+    rows = [("peak memory (GiB)", p.get("peak_bytes_estimate"), m.get("peak_rss_growth_bytes"), 2**30),
+            ("tokens per step", p.get("tokens_per_step"), m.get("tokens_per_step"), 1),
+            ("seconds per step", p.get("seconds_per_step"), m.get("seconds_per_step"), 1)]
+    cells = []
+    for name, pred, meas, unit in rows:
+        ratio = f"{meas / pred:.2f}" if isinstance(pred, (int, float)) and pred and isinstance(meas, (int, float)) else "–"
+        fmt = (lambda v: f"{v / unit:.3g}" if isinstance(v, (int, float)) else "–")
+        cells.append(f"<tr><th>{name}</th><td>{fmt(pred)}</td><td>{fmt(meas)}</td><td>{ratio}</td></tr>")
+    return ("<table><tr><th></th><th>predicted</th><th>measured</th><th>measured / predicted</th></tr>"
+            + "".join(cells) + "</table><p class=muted>memory measured as peak RSS growth over the run "
+            "(see docs/planner.md); time predicted from the hardware profile when one exists</p>")
+
+
+def alarms_html(summary: dict | None) -> str:
+    alarms = (summary or {}).get("alarms") or {}
+    if not alarms:
+        return "<p>none fired</p>"
+    return "<table><tr><th>alarm</th><th>what was seen</th></tr>" + "".join(
+        f"<tr><th>{html.escape(name)}</th><td><pre>{html.escape(json.dumps(entry)[:600])}</pre></td></tr>"
+        for name, entry in alarms.items()) + "</table><p class=muted>what each alarm means: docs/alarms.md</p>"
+
+
+def _cell(item: dict, shown: int) -> str:
+    samples = (item.get("samples") or [])[:shown]
+    marks = item["correct"][:shown]
+    body = "".join(f"<pre class={'ok' if ok else 'bad'}>{html.escape(s['text'].strip()) or '(empty)'}</pre>"
+                   for s, ok in zip(samples, marks))
+    return f"<td><b>{item['c']}/{item['n']}</b> correct{body}</td>"
+
+
+def samples_html(before: dict, after: dict, problems: int = 6, shown: int = 3) -> str:
+    by_id = {it["id"]: it for it in after["items"]}
+    rows = []
+    for it in before["items"][:problems]:
+        other = by_id.get(it["id"])
+        if other is None:
+            continue
+        rows.append(f"<tr><td>{html.escape(str(it['question']))}<br><span class=muted>gold: {html.escape(str(it.get('answer')))}</span></td>"
+                    f"{_cell(it, shown)}{_cell(other, shown)}</tr>")
+    return ("<table><tr><th>problem</th><th>before (first samples)</th><th>after (same sample seeds)</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def write_quickstart_report(out: str | Path) -> Path:
+    out = Path(out)
+    before, after, cmp = (_load(out / p) for p in ("eval_before/results.json", "eval_after/results.json", "compare.json"))
+    if not (before and after and cmp):
+        raise FileNotFoundError(f"{out} has no finished quickstart (eval_before/, eval_after/ and compare.json are needed)")
+    rows = read_metrics(out / "rl" / "metrics.jsonl") if (out / "rl" / "metrics.jsonl").is_file() else []
+    plan, summary = _load(out / "rl" / "plan.json"), _load(out / "rl" / "summary.json")
+    hw_text = (_load(out / "quickstart.json") or {}).get("machine") or machine()
+    grid = plot_dashboard(rows, out / "training.png")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>posttrain quickstart</title><style>{STYLE}</style></head>
+<body><h1>posttrain quickstart: GRPO on {html.escape(before['protocol']['model']['name'].split('/')[-1])}, evaluated on held-out problems</h1>
+{headline(before, after, cmp, rows, str(hw_text))}
+<h2>Training</h2>{f'<img src="{grid.name}" alt="training curves">' if grid else '<p>no metrics</p>'}
+<h2>Health alarms</h2>{alarms_html(summary)}
+<h2>Predicted vs measured cost (GRPO stage)</h2>{cost_table(plan)}
+<h2>The same held-out prompts, before and after</h2>{samples_html(before, after)}
+<h2>Details</h2><p><a href="rl/report.html">GRPO run report</a> · <a href="eval_before/report.html">evaluation before</a> ·
+<a href="eval_after/report.html">evaluation after</a> · <a href="compare.json">compare.json</a> · <a href="rl/config.yaml">GRPO config</a></p>
+</body></html>"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

@@ -78,8 +78,8 @@ def cost_table(plan: dict | None) -> str:
     cells = []
     for name, pred, meas, unit in rows:
         ratio = f"{meas / pred:.2f}" if isinstance(pred, (int, float)) and pred and isinstance(meas, (int, float)) else "–"
-        fmt = (lambda v: f"{v / unit:.3g}" if isinstance(v, (int, float)) else "–")
-        cells.append(f"<tr><th>{name}</th><td>{fmt(pred)}</td><td>{fmt(meas)}</td><td>{ratio}</td></tr>")
+        shown = [f"{v / unit:.3g}" if isinstance(v, (int, float)) else "–" for v in (pred, meas)]
+        cells.append(f"<tr><th>{name}</th><td>{shown[0]}</td><td>{shown[1]}</td><td>{ratio}</td></tr>")
     return ("<table><tr><th></th><th>predicted</th><th>measured</th><th>measured / predicted</th></tr>"
             + "".join(cells) + "</table><p class=muted>memory measured as peak RSS growth over the run "
             "(see docs/planner.md); time predicted from the hardware profile when one exists</p>")

@@ -47,7 +47,11 @@ PANELS = [
 
 
 def _values(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of a metric; empty when it is absent or exactly 0 throughout (e.g. KL without a
+    reference, clipping in a strictly on-policy step): a flat zero line would only add clutter."""
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r[key] == r[key]]
+    if all(p[1] == 0 for p in pts):
+        return [], []
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -61,11 +65,12 @@ def step_minutes(rows: list[dict]) -> dict[int, float]:
 
 
 def active_panels(rows: list[dict]) -> list[Panel]:
-    present = {k for r in rows for k in r}
-    return [p for p in PANELS if any(k in present for k, _ in p.lines + p.right)]
+    return [p for p in PANELS if any(_values(rows, k)[0] for k, _ in p.lines + p.right)]
 
 
 def _draw(ax, panel: Panel, rows: list[dict], minutes: dict[int, float]) -> None:
+    if not any(_values(rows, k)[0] for k, _ in panel.lines):  # only the right-axis metrics: draw them on the left
+        panel = Panel(panel.title, panel.right_label, panel.right, x=panel.x, logy=panel.logy)
     xmap = (lambda s: minutes.get(s, 0.0)) if panel.x == "minutes" else (lambda s: s)
     for key, label in panel.lines:
         xs, ys = _values(rows, key)

@@ -57,7 +57,7 @@ def headline(before: dict, after: dict, cmp: dict, rows: list[dict], hardware: s
     mc_text = f"; exact McNemar over {mc['pairs']} paired samples p = {mc['p_value']:.2g}" if mc else ""
     verdict = "significant" if cmp["significant"] else "<b>not</b> significant"
     others = ", ".join(f"{k} {before['metrics'][k]['value']:.2f} → {after['metrics'][k]['value']:.2f}"
-                       for k in after["metrics"] if k.startswith(("pass@", "pass^")) and k != "pass@1" and k in before["metrics"])
+                       for k in after["metrics"] if k.startswith(("pass@", "pass^")) and k not in ("pass@1", "pass^1") and k in before["metrics"])
     proto = before["protocol"]
     minutes = step_minutes(rows)
     train = f"{len(rows)} GRPO steps in {max(minutes.values(), default=0):.1f} min" if rows else "no training steps logged"
@@ -115,6 +115,12 @@ def samples_html(before: dict, after: dict, problems: int = 6, shown: int = 3) -
             + "".join(rows) + "</table>")
 
 
+def with_start(rows: list[dict], before: dict) -> list[dict]:
+    """The training rows with the base model's held-out pass@1 (the evaluation stage) as step 0."""
+    m = before["metrics"]["pass@1"]
+    return [{"step": 0, "eval/pass@1": m["value"], "eval/pass@1_low": m["low"], "eval/pass@1_high": m["high"]}, *rows]
+
+
 def write_quickstart_report(out: str | Path) -> Path:
     out = Path(out)
     before, after, cmp = (_load(out / p) for p in ("eval_before/results.json", "eval_after/results.json", "compare.json"))
@@ -123,7 +129,7 @@ def write_quickstart_report(out: str | Path) -> Path:
     rows = read_metrics(out / "rl" / "metrics.jsonl") if (out / "rl" / "metrics.jsonl").is_file() else []
     plan, summary = _load(out / "rl" / "plan.json"), _load(out / "rl" / "summary.json")
     hw_text = (_load(out / "quickstart.json") or {}).get("machine") or machine()
-    grid = plot_dashboard(rows, out / "training.png")
+    grid = plot_dashboard(with_start(rows, before), out / "training.png")
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>posttrain quickstart</title><style>{STYLE}</style></head>
 <body><h1>posttrain quickstart: GRPO on {html.escape(before['protocol']['model']['name'].split('/')[-1])}, evaluated on held-out problems</h1>
 {headline(before, after, cmp, rows, str(hw_text))}

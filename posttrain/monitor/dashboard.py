@@ -29,7 +29,7 @@ PANELS = [
     Panel("The same against wall time", "fraction", (("reward/mean", "train reward (mean)"),
           ("eval/pass@1", "held-out pass@1")), x="minutes", interval=("eval/pass@1",)),
     Panel("Loss", "loss", (("loss", "train loss"), ("eval/loss", "eval loss"), ("vf/loss", "value loss"))),
-    Panel("Drift from the reference, and entropy", "nats / token", (("kl", "KL to reference"), ("approx_kl", "KL to old policy")),
+    Panel("KL drift and entropy", "nats / token", (("kl", "KL to reference"), ("approx_kl", "KL to old policy")),
           right=(("entropy", "entropy"),), right_label="entropy (nats / token)"),
     Panel("Response length", "tokens", (("response_length/mean", "mean"), ("response_length/max", "max")),
           right=(("response_length/clipped_frac", "cut at max_new_tokens"),), right_label="fraction"),

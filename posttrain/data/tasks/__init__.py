@@ -3,7 +3,8 @@
 `data=arithmetic` gives 1,000 conversations; `data=arithmetic:200` gives 200. `single_digit_add`
 ("What is 3 + 5? Answer with just the number.") draws from the 81 single-digit pairs;
 `single_digit_add:all` is each pair once (an evaluation set). `humaneval_mini:all` is 12 hand-written
-HumanEval-style code problems (`prompt` + `tests`, score with `code`). Rows carry the
+HumanEval-style code problems (`prompt` + `tests`, score with `code`). `multiply_3x2` is 3-digit ×
+2-digit multiplication for the calculator environment (`env=calculator`). Rows carry the
 columns every recipe understands: `messages` (SFT), `prompt` + `answer` (RL with a verifier).
 """
 
@@ -13,8 +14,10 @@ import random
 
 from posttrain.data.tasks.arithmetic import arithmetic, single_digit_add
 from posttrain.data.tasks.code import humaneval_mini
+from posttrain.data.tasks.tool_math import multiply_3x2
 
-TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "humaneval_mini": humaneval_mini}
+TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "humaneval_mini": humaneval_mini,
+         "multiply_3x2": multiply_3x2}
 
 
 def generate(name: str, seed: int = 1234) -> list[dict]:

@@ -174,3 +174,27 @@ def test_load_env_by_name_and_path(tmp_path):
         load_env(f"{bad}:NotEnv")
     with pytest.raises(UserError, match="bad env_args"):
         load_env("calculator", {"no_such_option": 1})
+
+
+# ---------------------------------------------------------------- demonstrations for the SFT warm-up
+
+
+def test_calculator_demonstrations_train_only_the_assistant_turns(tiny_tok):
+    from posttrain.agentic.demos import demonstrations
+    from posttrain.agentic.envs import CalculatorEnv
+    from posttrain.data.templates import render_messages
+    from tests.test_templates import SMOLLM2
+
+    tok = copy.deepcopy(tiny_tok)
+    tok.chat_template = SMOLLM2
+    rows = demonstrations(tok, "multiply_3x2:3", seed=1)
+    msgs = rows[0]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "assistant"]
+    a, b = msgs[1]["content"].split("What is ")[1].split("?")[0].split(" * ")
+    assert msgs[3]["content"] == str(int(a) * int(b)) and msgs[4]["content"].endswith(f"The answer is {int(a) * int(b)}.")
+    fmt = make_format(tok, CalculatorEnv().tools)
+    (call,) = fmt.parse(msgs[2]["content"])  # the rollout's parser reads what the demonstration teaches
+    assert call.arguments == {"expression": f"{a} * {b}"}
+    out = render_messages(tok, msgs)
+    trained = [tok.decode(out.input_ids[s:e]) for s, e in out.spans]
+    assert trained == [msgs[2]["content"] + "<|im_end|>", msgs[4]["content"] + "<|im_end|>"]

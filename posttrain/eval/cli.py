@@ -119,6 +119,10 @@ def main(argv: list[str]) -> int | None:
         from posttrain.eval.compare import main as compare_main
 
         return compare_main(argv[1:])
+    if any(a.startswith("env=") for a in argv):  # multi-turn episodes with tools (posttrain/agentic/eval.py)
+        from posttrain.agentic.eval import main as agent_main
+
+        return agent_main(argv)
     if argv and argv[0] == "contamination":
         from posttrain.eval.contamination import main as contamination_main
 

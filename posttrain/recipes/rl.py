@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import Field, model_validator
 
+from posttrain.agentic.settings import AgentSettings
 from posttrain.algos import AdaptiveKLController, FixedKLController
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos import policy_losses, preference_losses
@@ -58,6 +59,9 @@ class RLConfig(CommonConfig):
     reward: str = Field("math", description="reward or weighted composition: 'math:1.0,format:0.2', 'my.py:fn:0.1'")
     reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {overlong: {max_len: 512, cache_len: 128}}")
     data: str = Field("arithmetic", description="prompt-only dataset (`prompt` + reward columns such as `answer`)")
+    env: str = Field("", description="multi-turn environment (calculator, python_code, search_qa or path/to/file.py:Class); its reward replaces `reward` (docs/agentic.md)")
+    env_args: dict = Field(default_factory=dict, description="keyword arguments of the environment class")
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="multi-turn rollout limits and tool format (with env)")
     output_dir: str = Field("runs/rl", description="run directory")
     max_steps: int = Field(20, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="weights dtype (the engine samples in it)")
@@ -178,6 +182,7 @@ class RLRun:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
+    agent: object = None  # agentic.collect.AgentRun when cfg.env is set
 
 
 # ---------------------------------------------------------------- one step
@@ -214,6 +219,10 @@ def rl_step(run: RLRun, step: int) -> dict:
 def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     """B groups of G scored samples; with dynamic sampling, groups without signal are replaced by new
     prompts (at most max_resample extra rounds; if none has signal the last round's groups are kept)."""
+    if run.agent is not None:  # multi-turn episodes (posttrain/agentic/collect.py)
+        from posttrain.agentic.collect import collect_agentic
+
+        return collect_agentic(run, step)
     cfg, G = run.cfg, run.cfg.group_size
     kept: list[Trajectory] = []
     rows_by_group: dict = {}
@@ -422,7 +431,12 @@ def setup(cfg: RLConfig) -> RLRun:
     device = resolve_device(cfg.device)
     tok = load_tokenizer(cfg.model)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-    reward_fn = build_reward(cfg, rows)
+    agent = None
+    if cfg.env:  # the environment's reward replaces `reward`
+        from posttrain.agentic.collect import setup_agent
+
+        agent = setup_agent(cfg, tok, rows)
+    reward_fn = build_reward(cfg, rows) if agent is None else None
     eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
     measured = Measured()
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
@@ -439,7 +453,8 @@ def setup(cfg: RLConfig) -> RLRun:
                 EpochSampler(len(rows), cfg.seed), kl_ctl, adv_registry.get(cfg.advantage or preset.advantage),
                 policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
                 preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling,
-                default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms), eval_hook=eval_hook)
+                default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms), eval_hook=eval_hook,
+                agent=agent)
     if uses_critic(preset):
         build_critic(run)
     state = life.restore(model, optimizer, scheduler, extras=critic_extras(run))
@@ -450,9 +465,11 @@ def setup(cfg: RLConfig) -> RLRun:
         if run.critic_sched is not None:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
         engine.sync_weights()
-    write_plan(life.out, plan_run(cfg, model, beta, tok, rows))
+    write_plan(life.out, plan_run(cfg, model, beta, tok, rows, agent))
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
+    if agent is not None:
+        life.fresh_file("episodes.jsonl")
     return run
 
 
@@ -553,13 +570,20 @@ def load_reference(model):
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 
-def plan_run(cfg: RLConfig, model, beta: float, tok, rows) -> dict:
-    """Planner prediction for the run; tokens assume every sample runs to max_new_tokens."""
-    prompt_len = round(sum(len(render_prompt(tok, r.data["prompt"])) for r in rows) / len(rows))
+def plan_run(cfg: RLConfig, model, beta: float, tok, rows, agent=None) -> dict:
+    """Planner prediction for the run; tokens assume every sample runs to max_new_tokens (and, with an
+    env, every episode to max_turns: agentic.collect.plan_inputs)."""
     method = "ppo" if uses_critic(rl_preset(cfg.algo)) else "grpo"
     extra = {"value_model": True} if method == "ppo" else {}
+    if agent is not None:
+        from posttrain.agentic.collect import plan_inputs
+
+        method, extra = "agent", {**extra, **plan_inputs(cfg, agent)}
+    else:
+        extra["seq_len"] = cfg.sampling.max_new_tokens
+        extra["prompt_len"] = round(sum(len(render_prompt(tok, r.data["prompt"])) for r in rows) / len(rows))
     return predict(unwrap(model).config, method, **extra, batch=cfg.prompts_per_step, group=cfg.group_size,
-                   seq_len=cfg.sampling.max_new_tokens, prompt_len=prompt_len, beta=beta, reward="verifier",
+                   beta=beta, reward="verifier",
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
                    steps=max(cfg.max_steps, 1), logit_copies=0)
 

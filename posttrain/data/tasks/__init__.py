@@ -3,8 +3,10 @@
 `data=arithmetic` gives 1,000 conversations; `data=arithmetic:200` gives 200. `single_digit_add`
 ("What is 3 + 5? Answer with just the number.") draws from the 81 single-digit pairs;
 `single_digit_add:all` is each pair once (an evaluation set); `single_digit_add_train` (54 pairs) and
-`single_digit_add_heldout` (the other 27) are a fixed split for training and honest held-out evaluation. `humaneval_mini:all` is 12 hand-written
-HumanEval-style code problems (`prompt` + `tests`, score with `code`). Rows carry the
+`single_digit_add_heldout` (the other 27) are a fixed split for training and honest held-out evaluation.
+`humaneval_mini:all` is 12 hand-written HumanEval-style code problems (`prompt` + `tests`, score with
+`code`). `multiply_3x2` is 3-digit × 2-digit multiplication for the calculator environment
+(`env=calculator`). Rows carry the
 columns every recipe understands: `messages` (SFT), `prompt` + `answer` (RL with a verifier).
 """
 
@@ -14,9 +16,11 @@ import random
 
 from posttrain.data.tasks.arithmetic import arithmetic, single_digit_add, single_digit_add_heldout, single_digit_add_train
 from posttrain.data.tasks.code import humaneval_mini
+from posttrain.data.tasks.tool_math import multiply_3x2
 
 TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "single_digit_add_train": single_digit_add_train,
-         "single_digit_add_heldout": single_digit_add_heldout, "humaneval_mini": humaneval_mini}
+         "single_digit_add_heldout": single_digit_add_heldout, "humaneval_mini": humaneval_mini,
+         "multiply_3x2": multiply_3x2}
 
 
 def generate(name: str, seed: int = 1234) -> list[dict]:

@@ -1,0 +1,12 @@
+"""Agentic multi-turn RL: environments, tools, tool-call formats, the multi-turn rollout.
+
+    env.py        the Environment protocol (reset / step / reward), registry, `env=path.py:Class`
+    tools.py      Tool, ToolResult, containment (errors and timeouts become observations), built-ins
+    calculator.py safe arithmetic by AST evaluation (no eval)
+    search.py     a mock search over a local document set
+    formats.py    tool calls in the chat template's format (Hermes `<tool_call>`) or a `<tool>` tag
+    rollout.py    many episodes in flight on the built-in engine; token ids concatenated turn by turn
+    collect.py    the RL recipe's collect phase for `posttrain rl env=...`
+    eval.py       `posttrain eval env=...`: success, pass^k, turns, tool calls, env vs model time
+    demos.py      tool-use demonstrations for an SFT warm-up
+"""

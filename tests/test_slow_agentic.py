@@ -29,4 +29,6 @@ def test_grpo_with_calculator_raises_success(tmp_path):
     assert base < 0.05  # the model cannot multiply 3 x 2 digits alone
     cmp = json.loads((tmp_path / "compare_base_rl.json").read_text())
     assert cmp["significant"] and rl > base
-    assert tool["eval_rl"] > tool["eval_base"]
+    gain = json.loads((tmp_path / "compare_sft_rl.json").read_text())  # what GRPO adds over the warm-up
+    assert gain["significant"] and rl > sft
+    assert tool["eval_rl"] > tool["eval_sft"] > tool["eval_base"]

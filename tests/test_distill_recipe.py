@@ -302,6 +302,7 @@ def test_config_refusals(tmp_path):
     for args, msg in [([], "teacher"), (["teacher=t", "mode=logit", "rl_weight=0.5"], "rl_weight applies to mode=on_policy"),
                       (["teacher=t", "top_k=8"], "top_k applies to mode=logit"),
                       (["teacher=t", "rl_weight=0.5"], "needs a reward"),
+                      (["teacher=t", "algo=grpx"], "unknown algo"),
                       (["teacher=t", "divergence=kl"], "unknown distillation"),
                       (["teacher=t", "mode=sequence", "keep=best"], "ranks teacher samples by a reward"),
                       (["teacher=t", "mode=sequence", "divergence=jsd"], "no divergence")]:

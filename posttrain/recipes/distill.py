@@ -36,6 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from posttrain.algos import distill_losses
+from posttrain.algos.presets import rl_preset
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data.packing import IGNORE, collate
 from posttrain.errors import UserError
@@ -140,6 +141,7 @@ class DistillConfig(CommonConfig):
             distill_losses.get(self.resolved_divergence)
         elif self.divergence is not None:
             raise ValueError("divergence: mode=sequence trains with the SFT loss on teacher text (no divergence)")
+        rl_preset(self.algo)
         if self.rl_weight > 0 and not self.reward:
             raise ValueError("rl_weight > 0 needs a reward (reward=math, ...)")
         if self.mode == "sequence" and self.keep != "all" and not self.reward:

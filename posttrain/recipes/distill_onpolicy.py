@@ -114,13 +114,14 @@ def update(run: OnPolicyRun, batches) -> dict:
     norms = {"agg": r.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in batches), 1),
              "seqs": max(sum(int(b.valid.sum()) for b in batches), 1)}
     sums: dict = {}
+    rl_metrics = ph.TokenMeans()  # the RL term's metrics (token-weighted means, /min and /max extremes)
     for b in batches:
         with r.timer("teacher"):  # 3.
             t_logits = position_logits(run.teacher, b, cfg.mixed_precision, b.hidden_index, layout=b.layout)  # (M, V)
             run.teacher_tokens += int(b.hidden_index.numel())
             run.teacher_forward_tokens += int(b.input_ids.numel())
         with r.timer("update"):  # 4.
-            for k, v in micro_batch_backward(run, b, t_logits, norms).items():
+            for k, v in micro_batch_backward(run, b, t_logits, norms, rl_metrics).items():
                 sums[k] = sums.get(k, 0.0) + v
     with r.timer("update"):
         lr = r.scheduler.get_last_lr()[0]
@@ -131,11 +132,10 @@ def update(run: OnPolicyRun, batches) -> dict:
     row = {"loss": sums.pop("loss"), "lr": lr, "grad_norm": grad_norm, "distill/loss": sums.pop("kd") / n,
            "distill/teacher_logp": sums.pop("teacher_logp") / n, "distill/student_logp": sums.pop("student_logp") / n,
            "teacher/tokens": run.teacher_tokens}
-    row.update({k: v / n for k, v in sums.items()})  # the RL term's metrics, token-weighted
-    return row
+    return {**row, **rl_metrics.result()}
 
 
-def micro_batch_backward(run: OnPolicyRun, b, t_logits: torch.Tensor, norms: dict) -> dict:
+def micro_batch_backward(run: OnPolicyRun, b, t_logits: torch.Tensor, norms: dict, rl_metrics: ph.TokenMeans) -> dict:
     """The micro-batch's exact share of the step's loss, backpropagated; -> metric sums over its loss tokens."""
     cfg, r = run.cfg, run.rl
     w = cfg.rl_weight
@@ -154,14 +154,15 @@ def micro_batch_backward(run: OnPolicyRun, b, t_logits: torch.Tensor, norms: dic
                                                      "student_logp": (ls * m).sum()}
 
     h = position_hidden(r.model, b, cfg.mixed_precision, b.hidden_index, layout=b.layout)  # (M, H)
-    whole = (lambda hd: rl_term(run, b, hd, head, norms)) if w > 0 else None
+    whole = (lambda hd: rl_term(run, b, hd, head, norms, rl_metrics)) if w > 0 else None
     loss, sums = chunked_backward(h, head, loss_of_chunk, cfg.logit_chunk, whole=whole)
     return {"loss": float(loss), **sums}
 
 
-def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict):
+def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict, rl_metrics: ph.TokenMeans):
     """w·L_RL of the micro-batch: the algorithm's policy loss on the reward's advantages, log-probs of the
-    sampling distribution (temperature, kept set) from the same hidden states. -> (loss, metric sums)."""
+    sampling distribution (temperature, kept set) from the same hidden states. -> (loss, {}); the policy
+    loss's metrics go to `rl_metrics`."""
     from posttrain.ops.logprobs import chunked_logprobs
     from posttrain.ops.sampling import trainer_logprobs
 
@@ -173,8 +174,8 @@ def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict):
     logp = b.spread(logp)  # (S, L)
     b.old_logp = logp.detach()  # strictly on-policy: one pass over the samples
     loss, metrics = ph.batch_loss(logp, b, r.loss_fn, r.cfg, 0.0, r.cfg.kl_estimator, r.tis_cap, norms)
-    n = float(b.loss_mask.sum())
-    return run.cfg.rl_weight * loss, {k: float(v) * n for k, v in metrics.items()}
+    rl_metrics.add(metrics, float(b.loss_mask.sum()))
+    return run.cfg.rl_weight * loss, {}
 
 
 # ---------------------------------------------------------------- run

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rm": ("posttrain.recipes.rm:main", "reward model (Bradley–Terry scalar head); `rm probe`: length bias, best-of-N, adversarial, calibration"),
     "dpo": ("posttrain.recipes.dpo:main", "offline preference optimisation: dpo, ipo, robust_dpo, kto, orpo, simpo, rpo, dpo_norm"),
     "rs": ("posttrain.recipes.rs:main", "rejection sampling: best of N by a reward -> SFT, iterated in rounds"),
+    "distill": ("posttrain.recipes.distill:main", "distillation: mode=logit (top-k teacher cache) | sequence | on_policy (GKD)"),
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
     "eval": ("posttrain.eval.cli:main", "pass@k, cons@k, pass^k with intervals; `eval compare A B`; `eval contamination`"),

@@ -122,3 +122,52 @@ def test_learnability_band():
         False, False, True, True, True, False, False]
     with pytest.raises(ValueError):
         A.in_band(torch.tensor([0.5]), low=0.8, high=0.2)
+
+
+# ---------------------------------------------------------------- top-k with the tail bucket
+
+
+def _coarse(probs, ids):
+    """(P on S, P outside S) as a (…, k + 1) distribution."""
+    on = probs.gather(-1, ids)
+    return torch.cat([on, 1 - on.sum(-1, keepdim=True)], -1)
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "reverse_kl", "jsd"])
+def test_topk_tail_bucket_is_the_divergence_of_the_coarsened_distributions(name):
+    g = torch.Generator().manual_seed(3)
+    V, k = 12, 3
+    s = torch.randn(2, 3, V, generator=g, dtype=torch.float64)
+    t = torch.randn(2, 3, V, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 3)
+    t_logp = F.log_softmax(t, -1)
+    top_lp, top_ids = t_logp.topk(k, -1)
+    tail = torch.logsumexp(t_logp.scatter(-1, top_ids, float("-inf")), -1)
+    loss, _ = A.distill_losses.get(name)(s, mask, teacher_topk_logps=top_lp, teacher_topk_ids=top_ids, teacher_tail_logp=tail)
+    p_bar, q_bar = _coarse(t_logp.exp(), top_ids), _coarse(F.softmax(s, -1), top_ids)
+    ref, _ = A.distill_losses.get(name)(q_bar.log(), mask, teacher_logits=p_bar.log())  # the full loss on k + 1 outcomes
+    close(loss, ref.float())
+    full, _ = A.distill_losses.get(name)(s, mask, teacher_logits=t)
+    assert (loss <= full + 1e-6).all()  # data processing: coarsening never increases a divergence
+    assert (loss > 0).all()
+
+
+def test_topk_tail_hand_values_and_gradient_reaches_the_rest_of_the_vocabulary():
+    # P = (.5, .3, .2), S = {0}: P̄ = (.5, .5); Q = (.2, .6, .2): Q̄ = (.2, .8)
+    s = torch.tensor([[[0.2, 0.6, 0.2]]]).log().requires_grad_(True)
+    top_lp, top_ids, tail = torch.tensor([[[math.log(0.5)]]]), torch.tensor([[[0]]]), torch.tensor([[math.log(0.5)]])
+    fkl, _ = A.distill_losses.get("forward_kl")(s, torch.ones(1, 1), teacher_topk_logps=top_lp, teacher_topk_ids=top_ids,
+                                                teacher_tail_logp=tail)
+    close(fkl, [[0.5 * math.log(0.5 / 0.2) + 0.5 * math.log(0.5 / 0.8)]])
+    fkl.sum().backward()
+    assert s.grad[0, 0, 1] != 0  # the tail's share moves tokens outside S (renormalising on S would not)
+    # k = V: the tail is empty (log 0 = -inf) and the loss is the full one, with finite gradients
+    t = torch.tensor([[[0.1, 1.0, -0.5]]])
+    lp, ids = F.log_softmax(t, -1).topk(3, -1)
+    for name in ("forward_kl", "reverse_kl", "jsd"):
+        x = s.detach().clone().requires_grad_(True)
+        loss, _ = A.distill_losses.get(name)(x, torch.ones(1, 1), teacher_topk_logps=lp, teacher_topk_ids=ids,
+                                             teacher_tail_logp=torch.tensor([[float("-inf")]]))
+        close(loss, A.distill_losses.get(name)(x.detach(), torch.ones(1, 1), teacher_logits=t)[0])
+        loss.sum().backward()
+        assert torch.isfinite(x.grad).all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import Config
 
@@ -35,7 +35,9 @@ class PlanConfig(Config):
     precompute_ref: bool = Field(True, description="dpo: reference log-probs computed once beforehand, reference not held in memory")
     distill: str = Field("on_policy", description="distill: on_policy (student samples, teacher scores) | logit | sequence")
     teacher: Optional[str] = Field(None, description="distill: teacher size or architecture (default: same as model)")
+    mode: Optional[str] = Field(None, description="distill: the same as `distill` (the key `posttrain distill` uses): on_policy | logit | sequence")
     top_k: int = Field(64, ge=1, description="distill: teacher log-probs stored per position (top-k)")
+    data_tokens: Optional[float] = Field(None, gt=0, description="distill logit: loss tokens the teacher cache covers (one pass over the data): its size on disk and the teacher's one-time forward")
 
     # precision, LoRA
     lora_r: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning); needs an architecture, not a bare count")
@@ -57,6 +59,14 @@ class PlanConfig(Config):
     # evaluation uncertainty
     eval_n: int = Field(0, ge=0, description="items of an evaluation: prints the 95% interval half-width (0 = skip)")
     eval_p: float = Field(0.5, ge=0, le=1, description="accuracy used for the interval (0.5 = widest)")
+
+    @model_validator(mode="after")
+    def _mode_is_distill(self):
+        if self.mode is not None:
+            if "distill" in self.model_fields_set and self.distill != self.mode:
+                raise ValueError(f"mode={self.mode} and distill={self.distill} disagree: give one of them")
+            self.__dict__["distill"] = self.mode
+        return self
 
     @field_validator("model", "reward_model", "teacher", mode="before")
     @classmethod

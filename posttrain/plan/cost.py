@@ -122,6 +122,14 @@ def logit_bytes_per_token(vocab: int, top_k: int | None = None, value_bytes: flo
     return top_k * (id_bytes + value_bytes)
 
 
+def topk_cache_bytes_per_token(vocab: int, top_k: int, value_bytes: float = 2) -> float:
+    """The teacher cache of `posttrain distill mode=logit`: top-k ids (2 bytes when the vocabulary fits in
+    65,536 ids, else 4) and log-probs, plus one value for the tail mass Σ_{v∉top-k} P(v) that keeps the KL
+    exact on the coarser partition: k × (id + value) + value = 64 × (2 + 2) + 2 = 258 B for SmolLM2."""
+    id_bytes = 2 if vocab <= 2**16 else 4
+    return logit_bytes_per_token(vocab, top_k, value_bytes, id_bytes) + value_bytes
+
+
 def bon_kl(n: int) -> float:
     """KL(best-of-N ‖ base) ≤ log N − (N − 1)/N nats (an upper bound, Beirami et al. 2024).
     N = 4/16/64/256 → 0.64/1.83/3.17/4.55; K = 10 → 1.40, K = 30 → 2.43."""

@@ -234,12 +234,29 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         vocab = sizes["teacher"].arch.vocab if sizes["teacher"].arch else None
         out["distill"] = {"mode": opt.distill, "top_k": cfg.top_k, "vocab": vocab,
                           "logit_bytes_per_token_full": cost.logit_bytes_per_token(vocab) if vocab else None,
-                          "logit_bytes_per_token_topk": cost.logit_bytes_per_token(vocab or 0, cfg.top_k)}
+                          "logit_bytes_per_token_topk": cost.logit_bytes_per_token(vocab or 0, cfg.top_k),
+                          **_distill_cache(cfg, opt.distill, vocab, sizes["teacher"].params)}
     if method.name == "rs":
         out["bon_kl_nats"] = cost.bon_kl(group)
     _add_hardware(out, cfg, flops_per_step, flops_per_token, memory_total)
     if cfg.eval_n:
         out["eval"] = {"n": cfg.eval_n, "p": cfg.eval_p, "ci95_half_width": cost.ci95_half_width(cfg.eval_p, cfg.eval_n)}
+    return out
+
+
+def _distill_cache(cfg: PlanConfig, mode: str, vocab: int | None, teacher_params: int) -> dict:
+    """The teacher cache of logit distillation (top-k + tail bucket): bytes per token and, given the data's
+    loss tokens, its size and the teacher's one-time forward (2·N_T per token; the forward also runs over
+    prompt tokens, which `data_tokens` does not count)."""
+    if cfg.data_tokens is not None and mode != "logit":
+        raise UserError(f"data_tokens: only distill=logit keeps a teacher cache (distill is {mode})")
+    if mode != "logit":
+        return {}
+    per_token = cost.topk_cache_bytes_per_token(vocab or 0, cfg.top_k, cost.dtype_bytes("bf16"))
+    out = {"cache_bytes_per_token": per_token}
+    if cfg.data_tokens is not None:
+        out.update(cache_tokens=cfg.data_tokens, cache_bytes=per_token * cfg.data_tokens,
+                   teacher_flops_once=2 * teacher_params * cfg.data_tokens)
     return out
 
 

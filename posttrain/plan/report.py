@@ -85,6 +85,10 @@ def render(p: dict) -> str:
         d = p["distill"]
         add(("teacher logits", f"full vocabulary {human_bytes(d['logit_bytes_per_token_full'])}/token, "
              f"top-{d['top_k']} {human_bytes(d['logit_bytes_per_token_topk'])}/token"))
+        if "cache_bytes_per_token" in d:
+            size = f"; {human_bytes(d['cache_bytes'])} for {human_count(d['cache_tokens'])} tokens, teacher forward " \
+                   f"{d['teacher_flops_once']:.3g} FLOPs once" if "cache_bytes" in d else ""
+            add(("teacher cache", f"top-{d['top_k']} + tail {human_bytes(d['cache_bytes_per_token'])}/token{size}"))
     if "bon_kl_nats" in p:
         add(("BoN KL bound", f"log N − (N−1)/N = {p['bon_kl_nats']:.2f} nats at N = {p['group']}"))
     if "eval" in p:

@@ -1,0 +1,129 @@
+"""Sequence-level distillation (Kim & Rush 2016): the teacher generates, the student does SFT on it.
+
+    1. generate  the teacher samples `n` completions per prompt with the built-in engine (rejection
+                 sampling's `draw`, recipes/rs.py; the teacher's own tokenizer and chat template)
+    2. filter    with a `reward` (a verifier): keep=best (best of n, ties to the first drawn) or
+                 keep=above (every sample >= threshold), rejection sampling's `select`; keep=all keeps
+                 every finished, non-empty sample. Samples cut at max_new_tokens are dropped unless
+                 keep_truncated=true
+    3. write     teacher/kept.jsonl (conversations, or prompt + completion), data any SFT trainer reads
+    4. sft       the SFT recipe trains the student on it into sft/ (rs's `sft_config`: `epochs` over the
+                 kept rows unless max_steps is given); sft/final is the distilled student
+
+Only text passes from teacher to student (each re-tokenised by its own chat template), so teacher and
+student may use different tokenizers. With resume=true a finished teacher/kept.jsonl is reused (the
+teacher is not loaded again) and the SFT resumes from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+
+from posttrain.data import formats
+from posttrain.errors import UserError
+from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.plan.measure import Measured, write_plan
+from posttrain.recipes import rs
+from posttrain.recipes.lifecycle import RunLifecycle
+
+
+def rs_settings(cfg) -> rs.RSConfig:
+    """Rejection sampling's config with the teacher as the sampler and the student's SFT settings."""
+    from posttrain.recipes.distill import sft_settings
+
+    sft = sft_settings(cfg)
+    fields = {k: getattr(sft, k) for k in sft.model_fields if k not in (*rs.SET_BY_RS, "max_steps")}
+    if "max_steps" in cfg.model_fields_set:  # else rs sets it from `epochs`
+        fields["max_steps"] = cfg.max_steps
+    train = rs.RSTrainSettings(**fields)
+    return rs.RSConfig(model=cfg.teacher, data=cfg.data, output_dir=cfg.output_dir, seed=cfg.seed, resume=cfg.resume,
+                       device=cfg.device, dtype=cfg.teacher_dtype, reward=cfg.reward or "none",
+                       reward_args=cfg.reward_args, n=cfg.n, keep="best" if cfg.keep == "all" else cfg.keep,
+                       threshold=cfg.threshold, keep_truncated=cfg.keep_truncated, sampling=cfg.sampling,
+                       engine=cfg.engine, epochs=cfg.epochs, train=train, progress=False)
+
+
+def keep_finished(groups: list[list[rs.Sample]], keep_truncated: bool) -> tuple[list[list[rs.Sample]], dict]:
+    """keep=all: every non-empty sample (and, unless keep_truncated, not cut at the length limit)."""
+    kept = [[s for s in g if s.text.strip() and (keep_truncated or s.finish_reason != "length")] for g in groups]
+    n_all, n_kept = sum(map(len, groups)), sum(map(len, kept))
+    return kept, {"kept/samples": n_kept, "kept/frac": n_kept / max(n_all, 1),
+                  "kept/prompt_frac": sum(bool(k) for k in kept) / max(len(groups), 1)}
+
+
+def teacher_data(cfg, run: rs.RSRun, prompt_tokens: list[int], timer: PhaseTimer, measured: Measured) -> tuple[Path, int, dict]:
+    """teacher/kept.jsonl (generated now, or reused on resume) -> (path, rows, metrics)."""
+    path = run.life.out / "teacher" / "kept.jsonl"
+    if cfg.resume and path.is_file():
+        return path, sum(1 for line in path.read_text().splitlines() if line.strip()), {"teacher/reused": 1}
+    with timer("generate"):  # 1.
+        groups = rs.draw(run, cfg.teacher, seed=rs.round_seed(run.cfg, 1))
+    generated = [len(s.token_ids) for g in groups for s in g]
+    measured.add_step(sum(generated) + sum(prompt_tokens[i] * len(g) for i, g in enumerate(groups)), sum(generated))
+    metrics = {"teacher/samples": len(generated), "teacher/generated_tokens": sum(generated),
+               "response_length/mean": statistics.fmean(generated) if generated else math.nan}
+    if run.reward_fn is not None:  # 2.
+        with timer("score"):
+            metrics.update(rs.score(run.reward_fn, run.rows, groups))
+        metrics.update(rs.reward_metrics(groups))
+    if cfg.keep == "all":
+        kept, select_metrics = keep_finished(groups, cfg.keep_truncated)
+    else:
+        kept, select_metrics = rs.select(groups, run.cfg)
+    n_rows = rs.write_kept(path, run.rows, kept, 1)  # 3.
+    return path, n_rows, {**metrics, **select_metrics}
+
+
+def train(cfg) -> dict:
+    from posttrain.data.templates import render_prompt
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.recipes import sft as sft_recipe
+    from posttrain.recipes.distill import write_distill_measured
+    from posttrain.recipes.rl import build_reward
+
+    rs_cfg = rs_settings(cfg)
+    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    reward_fn = build_reward(rs_cfg, rows) if cfg.reward else None  # columns checked before any model loads
+    teacher_tok = load_tokenizer(cfg.teacher)
+    life = RunLifecycle(cfg)
+    run = rs.RSRun(rs_cfg, life, teacher_tok, rows, reward_fn, MetricsWriter(life.out / "metrics.jsonl"))
+    prompt_tokens = [len(render_prompt(teacher_tok, r.data["prompt"])) for r in rows]
+    timer, measured, t0 = PhaseTimer(), Measured(), time.perf_counter()
+    write_plan(life.out, plan_run(cfg, len(rows), prompt_tokens))
+    data, n_rows, row = teacher_data(cfg, run, prompt_tokens, timer, measured)
+    if not n_rows:
+        raise UserError(f"no teacher sample was kept ({cfg.keep}, threshold {cfg.threshold}): nothing to train the student on")
+    with timer("sft"):  # 4.
+        sft_summary = sft_recipe.train(rs.sft_config(rs_cfg, cfg.model, data, life.out / "sft", n_rows))
+    row.update({"sft/steps": sft_summary["steps"], "sft/first_loss": sft_summary["first_loss"],
+                "sft/last_loss": sft_summary["last_loss"], "kept/rows": n_rows, **timer.pop()})
+    run.metrics.write(1, row)
+    plan = write_distill_measured(life.out, measured, {"generated_tokens": row.get("teacher/generated_tokens"),
+                                                       "seconds": row.get("time/generate")})
+    summary = {"mode": "sequence", "n": cfg.n, "keep": cfg.keep, "kept_rows": n_rows, "sft_steps": sft_summary["steps"],
+               "first_loss": sft_summary["first_loss"], "last_loss": sft_summary["last_loss"],
+               "teacher_reward": row.get("reward/mean"), "final_model": str(life.out / "sft" / "final"),
+               "sft_report": str(life.out / "sft" / "report.html"),
+               "seconds": time.perf_counter() - t0}
+    life.finish(summary, f"Distillation (sequence) — {cfg.teacher} -> {cfg.model}",
+                {"summary": summary, "teacher samples": {k: v for k, v in row.items() if not k.startswith("time/")},
+                 "plan vs measured": plan.get("comparison", {})})
+    return summary
+
+
+def plan_run(cfg, n_prompts: int, prompt_tokens: list[int]) -> dict:
+    """The teacher's generation over every prompt × n (as one step; tokens assume max_new_tokens each) and
+    the student's SFT on what it writes (its own plan.json in sft/)."""
+    from posttrain.plan import predict
+    from posttrain.recipes.distill import teacher_spec
+
+    try:
+        return predict(cfg.model, "distill", mode="sequence", teacher=teacher_spec(cfg.teacher, cfg.model),
+                       batch=n_prompts * cfg.n, seq_len=cfg.sampling.max_new_tokens,
+                       prompt_len=round(statistics.fmean(prompt_tokens)), steps=1,
+                       dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", logit_copies=0)
+    except UserError as e:  # e.g. a student given as an adapter folder: the planner needs a config
+        return {"error": f"no prediction: {e}"}

@@ -10,7 +10,7 @@ Each sink is a small class behind a registry (`SINKS`), opened with the run dire
     tensorboard  <run_dir>/tensorboard/ event files; on resume, events past the checkpoint are purged
     wandb        WANDB_MODE (default offline, files under <run_dir>/wandb/); run id kept in <run_dir>/wandb_run_id
     trackio      local store, TRACKIO_DIR (default <run_dir>/trackio when trackio is first imported here)
-    mlflow       MLFLOW_TRACKING_URI (default a file store at <run_dir>/mlruns); run id kept in <run_dir>/mlflow_run_id
+    mlflow       MLFLOW_TRACKING_URI (default a SQLite store, <run_dir>/mlflow.db); run id kept in <run_dir>/mlflow_run_id
 
 A missing library is reported when the config is parsed (before any model loads), naming the extra to install.
 """
@@ -194,7 +194,7 @@ class TrackioSink:
         import trackio
 
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "posttrain"), name=ctx.name, config=ctx.config,
-                                resume="never" if ctx.resume_step is None else "allow")
+                                resume="never" if ctx.resume_step is None else "allow", embed=False)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -213,14 +213,15 @@ def mlflow_key(name: str) -> str:
 
 @register("mlflow")
 class MlflowSink:
-    """MLflow through its client (no global active run): MLFLOW_TRACKING_URI, else a file store at <run_dir>/mlruns
-    (`mlflow ui --backend-store-uri <run_dir>/mlruns`). Experiment: MLFLOW_EXPERIMENT_NAME, else 'posttrain'."""
+    """MLflow through its client (no global active run): MLFLOW_TRACKING_URI, else a SQLite store in the run
+    directory (`mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db`; MLflow 3 refuses new ./mlruns file
+    stores). Experiment: MLFLOW_EXPERIMENT_NAME, else 'posttrain'."""
 
     def __init__(self, ctx: SinkContext):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (ctx.run_dir / "mlruns").resolve().as_uri()
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(ctx.run_dir / 'mlflow.db').resolve()}"
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "posttrain")
         exp = self.client.get_experiment_by_name(name)

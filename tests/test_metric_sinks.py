@@ -93,8 +93,9 @@ def test_report_to_takes_a_yaml_list(tmp_path):
 
 
 def test_extras_are_declared_for_every_sink():
-    import tomllib
     from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert all(extra in extras for _, extra in REQUIREMENTS.values())
@@ -148,6 +149,19 @@ def test_rl_scalars_in_tensorboard_match_metrics_jsonl_across_a_kill_and_resume(
     js = jsonl_scalars(tmp_path / "run" / "metrics.jsonl")
     assert sorted(js["reward/mean"]) == [1, 2, 3, 4] and "kl" in js and "entropy" in js
     assert js["time/generate"][3] != first["time/generate"][3]  # step 3 ran again
+    assert_same(tb_scalars(tmp_path / "run" / "tensorboard"), js)
+
+
+def test_rs_logs_its_rounds_to_tensorboard(tmp_path):
+    from conftest import COUNT_PROMPTS, write_jsonl
+    from posttrain.recipes import rs
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", COUNT_PROMPTS[:2])
+    rs.train(parse_args(rs.RSConfig, ["model=tiny-random", f"data={data}", f"output_dir={tmp_path / 'run'}",
+                                      "reward=sinks_space_share", "n=2", "max_new_tokens=2", "keep_truncated=true",
+                                      "sft=false", "progress=false", "report_to=tensorboard"]))
+    js = jsonl_scalars(tmp_path / "run" / "metrics.jsonl")
+    assert sorted(js["reward/mean"]) == [1]
     assert_same(tb_scalars(tmp_path / "run" / "tensorboard"), js)
 
 

@@ -175,6 +175,23 @@ def test_a_fresh_run_replaces_the_event_files_of_an_earlier_one(tmp_path):
     assert tb_scalars(tmp_path / "tensorboard") == {"x": {1: 5.0}, "nan": {1: pytest.approx(math.nan, nan_ok=True)}}
 
 
+def test_a_failing_sink_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path, capsys):
+    class Down:
+        def log(self, step, scalars):
+            raise ConnectionError("tracker unreachable")
+
+        def close(self):
+            raise AssertionError("a dropped sink is not closed")
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", sinks=[Down()])
+    writer.write(1, {"x": 1.0})
+    writer.write(2, {"x": 2.0})
+    writer.close()
+    assert [json.loads(l)["x"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1.0, 2.0]
+    err = capsys.readouterr().err
+    assert err.count("Down failed at step 1 (ConnectionError: tracker unreachable)") == 1
+
+
 # ---------------------------------------------------------------- the other sinks, where installed
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -50,8 +51,13 @@ class MetricsWriter:
             f.write(json.dumps(row) + "\n")
         if self.sinks:
             values = scalar_values(metrics)
-            for sink in self.sinks:
-                sink.log(step, values)
+            for sink in list(self.sinks):
+                try:
+                    sink.log(step, values)
+                except Exception as e:  # a tracker's outage must not end a run: metrics.jsonl has every row
+                    self.sinks.remove(sink)
+                    print(f"warning: {type(sink).__name__} failed at step {step} ({type(e).__name__}: {e}); "
+                          f"it gets no more metrics, {self.path} keeps them all", file=sys.stderr)
         return row
 
     def close(self) -> None:

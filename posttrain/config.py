@@ -18,6 +18,8 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from posttrain.monitor.sinks import ReportTo, report_to_field
+
 
 class ConfigError(ValueError):
     """A configuration problem a user can fix; the message says what and where."""
@@ -42,6 +44,7 @@ class CommonConfig(Config):
                                  description="bf16: fp32 weights/grads/optimizer, backbone matmuls in bf16 via torch.autocast (lm_head stays fp32) | none")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="auto (cuda if a GPU is visible, else cpu) | cpu | cuda | cuda:N")
+    report_to: ReportTo = report_to_field()
 
 
 # ---------------------------------------------------------------- keys, help, suggestions

@@ -1,11 +1,13 @@
-"""Metric sinks. JSONL always (one object per step, stable names); tensors become floats here, once."""
+"""metrics.jsonl, always (one object per step, stable names); tensors become floats here, once. The same
+writer hands each row's numbers to the sinks named in `report_to` (monitor/sinks.py: TensorBoard, W&B, ...)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -18,11 +20,25 @@ def to_python(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Appends `{"step": N, ...}` lines to metrics.jsonl. On resume, lines past `step` are dropped."""
+def scalar_values(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numbers of a row for the sinks: numbers and one-element tensors as floats (NaN and inf kept as
+    they are); strings, lists, None and larger tensors are left to metrics.jsonl."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, (int, float)):  # bool included: 0 / 1
+            out[key] = float(value)
+    return out
 
-    def __init__(self, path: str | Path, resume_step: int | None = None):
+
+class MetricsWriter:
+    """Appends `{"step": N, ...}` lines to metrics.jsonl. On resume, lines past `step` are dropped.
+    `sinks` (monitor/sinks.py) receive each row's numbers at the same step."""
+
+    def __init__(self, path: str | Path, resume_step: int | None = None, sinks: Sequence = ()):
         self.path = Path(path)
+        self.sinks = list(sinks)
         if resume_step is not None and self.path.exists():
             keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
             self.path.write_text("".join(l + "\n" for l in keep))
@@ -33,7 +49,22 @@ class MetricsWriter:
         row = {"step": step, **{k: to_python(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.sinks:
+            values = scalar_values(metrics)
+            for sink in list(self.sinks):
+                try:
+                    sink.log(step, values)
+                except Exception as e:  # a tracker's outage must not end a run: metrics.jsonl has every row
+                    self.sinks.remove(sink)
+                    print(f"warning: {type(sink).__name__} failed at step {step} ({type(e).__name__}: {e}); "
+                          f"it gets no more metrics, {self.path} keeps them all", file=sys.stderr)
         return row
+
+    def close(self) -> None:
+        """Finish the sinks' runs (metrics.jsonl needs nothing: every line is written when logged)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -4,12 +4,12 @@ summary and report. A recipe reads:
     life = RunLifecycle(cfg)                         # output_dir, config.yaml; finds the checkpoint to resume
     ... build model, optimizer, scheduler ...
     state = life.restore(model, optimizer, scheduler) # {} on a fresh run; life.start = first step to run
-    metrics = life.metrics()                          # metrics.jsonl (trimmed to the checkpoint on resume)
+    metrics = life.metrics()                          # metrics.jsonl (trimmed to the checkpoint on resume) + report_to sinks
     for step in range(life.start, cfg.max_steps):
         ...
         life.checkpoint(step + 1, model, optimizer, scheduler, state_dict)   # honours save_every
     life.save_final(model, tok, lora=False)
-    life.finish(summary, title, sections)             # summary.json + report.html
+    life.finish(summary, title, sections)             # summary.json + report.html; closes the sinks
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.report import write_report
+from posttrain.monitor.sinks import open_sinks
 from posttrain.recipes.common import setup_run
 
 
@@ -30,6 +31,7 @@ class RunLifecycle:
         self.resume_from = existing[-1] if existing else None
         self.out = setup_run(cfg, resume=cfg.resume)
         self.start = 0
+        self.writer: MetricsWriter | None = None
 
     @property
     def resuming(self) -> bool:
@@ -45,7 +47,13 @@ class RunLifecycle:
         return state
 
     def metrics(self) -> MetricsWriter:
-        return MetricsWriter(self.out / "metrics.jsonl", resume_step=self.start if self.resuming else None)
+        return self.metrics_from(self.start if self.resuming else None)
+
+    def metrics_from(self, resume_step: int | None) -> MetricsWriter:
+        """metrics.jsonl kept up to `resume_step` (None: emptied), and the sinks of `report_to` opened."""
+        sinks = open_sinks(getattr(self.cfg, "report_to", "none"), self.out, self.cfg.model_dump(mode="json"), resume_step)
+        self.writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
+        return self.writer
 
     def fresh_file(self, name: str) -> Path:
         """A run-directory file that a fresh run empties and a resumed run appends to."""
@@ -83,3 +91,5 @@ class RunLifecycle:
     def finish(self, summary: dict, title: str, sections: dict) -> None:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         write_report(self.out, title, {**sections, "config": self.cfg.model_dump(mode="json")})
+        if self.writer is not None:
+            self.writer.close()

@@ -35,6 +35,7 @@ from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.monitor.sinks import ReportTo, report_to_field
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
@@ -84,6 +85,7 @@ class RSConfig(Config):
                                  description=f"the SFT recipe's settings ({', '.join(SET_BY_RS)} are set by rs)")
     samples_per_round: int = Field(4, ge=0, description="kept samples written to samples.jsonl per round")
     progress: bool = Field(True, description="show a progress bar")
+    report_to: ReportTo = report_to_field()
 
     @model_validator(mode="after")
     def _check(self):
@@ -304,7 +306,7 @@ def setup(cfg: RSConfig) -> RSRun:
     tok = load_tokenizer(cfg.model)
     life = RunLifecycle(cfg)
     done = len(finished_rounds(life.out, cfg.rounds)) if cfg.resume else None
-    run = RSRun(cfg, life, tok, rows, reward_fn, MetricsWriter(life.out / "metrics.jsonl", resume_step=done))
+    run = RSRun(cfg, life, tok, rows, reward_fn, life.metrics_from(done))
     if not done:
         (life.out / "samples.jsonl").write_text("")
     return run

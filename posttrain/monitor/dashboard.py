@@ -21,6 +21,7 @@ class Panel:
     x: str = "step"  # "step" | "minutes" (cumulative wall time of the logged steps)
     logy: bool = False
     interval: tuple[str, ...] = field(default_factory=tuple)  # metrics drawn with their _low/_high bars
+    note_zeros: bool = False  # name the metrics that were logged but 0 at every step (e.g. no clipping on-policy)
 
 
 PANELS = [
@@ -35,7 +36,7 @@ PANELS = [
           right=(("response_length/clipped_frac", "cut at max_new_tokens"),), right_label="fraction"),
     Panel("Clipping and groups without signal", "fraction", (("clip_frac/low", "ratio clipped low"),
           ("clip_frac/high", "ratio clipped high"), ("groups/zero_adv_frac", "groups with zero advantage"),
-          ("vf/clip_frac", "value clipped"))),
+          ("vf/clip_frac", "value clipped")), note_zeros=True),
     Panel("Train–inference gap (sampler vs trainer log-probs)", "nats / token",
           (("consistency/kl_behaviour_trainer", "KL(sampler ‖ trainer)"), ("consistency/dlogp_mean", "mean |Δ log p|")),
           logy=True),
@@ -53,6 +54,11 @@ def _values(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     if all(p[1] == 0 for p in pts):
         return [], []
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _all_zero(rows: list[dict], key: str) -> bool:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return bool(values) and all(v == 0 for v in values)
 
 
 def step_minutes(rows: list[dict]) -> dict[int, float]:
@@ -99,7 +105,9 @@ def _draw(ax, panel: Panel, rows: list[dict], minutes: dict[int, float]) -> None
     if panel.logy and any(y > 0 for line in ax.get_lines() for y in line.get_ydata()):
         ax.set_yscale("log")
     ax.set_title(panel.title, fontsize=9.5)
-    ax.set_xlabel("wall time (minutes)" if panel.x == "minutes" else "optimizer step", fontsize=8)
+    xlabel = "wall time (minutes)" if panel.x == "minutes" else "optimizer step"
+    zeros = [label for key, label in panel.lines if panel.note_zeros and _all_zero(rows, key)]
+    ax.set_xlabel(xlabel + (f"\n(0 at every step: {', '.join(zeros)})" if zeros else ""), fontsize=8)
     ax.set_ylabel(panel.ylabel, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)

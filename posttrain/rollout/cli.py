@@ -40,11 +40,14 @@ class GenerateConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="builtin: KV cache size in MiB")
 
 
-def read_prompts(path: str, tokenizer) -> list[list[int]]:
-    """Token ids of every `prompt` (a string becomes one user turn; the chat template adds the generation header)."""
+def read_prompts(path: str, tokenizer, rows_out: list | None = None) -> list[list[int]]:
+    """Token ids of every `prompt` (a string becomes one user turn; the chat template adds the generation header);
+    `rows_out` receives the rows' data (their other columns, e.g. `answer`, travel to the output for `score`)."""
     from posttrain.data import formats
 
     rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
+    if rows_out is not None:
+        rows_out.extend(r.data for r in rows)
     prompts = []
     for row in rows:
         prompt = row.data["prompt"]
@@ -81,7 +84,8 @@ def main(argv: list[str]) -> None:
     if not cfg.data:
         raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
     backend, tok = make_backend(cfg, cfg.model)
-    prompts = read_prompts(cfg.data, tok)
+    rows: list[dict] = []
+    prompts = read_prompts(cfg.data, tok, rows)
     requests = [Request(p, SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                           max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop_strings),
                                           ignore_eos=cfg.ignore_eos, seed=cfg.seed + i), request_id=i)
@@ -98,8 +102,11 @@ def main(argv: list[str]) -> None:
                 continue
             for s in o.samples:
                 n_tok += len(s.token_ids)
-                f.write(json.dumps({"prompt_index": o.request_id, "sample_index": s.index, "text": s.text, "token_ids": s.token_ids,
-                                    "logprobs": s.logprobs, "finish_reason": s.finish_reason}) + "\n")
+                # the row's columns (prompt, answer, tests...) + `completion`: the file `posttrain score` reads
+                extra = {k: v for k, v in rows[o.request_id].items() if k not in ("messages", "completion")}
+                f.write(json.dumps({**extra, "completion": s.text, "prompt_index": o.request_id, "sample_index": s.index,
+                                    "text": s.text, "token_ids": s.token_ids, "logprobs": s.logprobs,
+                                    "finish_reason": s.finish_reason}) + "\n")
     errors = sum(1 for o in outs if o.error)
     print(f"{len(prompts)} prompts x {cfg.n} samples -> {cfg.output}: {n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s"
           + (f"; {errors} prompts failed (see their error lines)" if errors else ""))

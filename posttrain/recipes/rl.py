@@ -438,7 +438,7 @@ def setup(cfg: RLConfig) -> RLRun:
     engine_cfg = cfg.engine.model_copy(update={
         k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
         if k not in cfg.engine.model_fields_set})
-    if cfg.systems.async_rl:  # the rollout worker samples on its own copy; this one serves evaluation only
+    if cfg.systems.pipelined:  # the rollout worker samples on its own copy; this one serves evaluation only
         from posttrain.systems.async_rl import TrainerEngine
 
         engine = TrainerEngine(model, tok, engine_cfg)
@@ -461,7 +461,7 @@ def setup(cfg: RLConfig) -> RLRun:
         if run.critic_sched is not None:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
         engine.sync_weights()
-    if cfg.systems.async_rl:
+    if cfg.systems.pipelined:
         from posttrain.systems.async_rl import attach
 
         attach(run, state)
@@ -593,5 +593,10 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(RLConfig, argv, prog="posttrain rl")
     except ValueError as e:
         raise UserError(str(e)) from None
-    summary = train(cfg)
+    if cfg.systems.cluster == "ray":  # the trainer runs as a Ray actor
+        from posttrain.systems.ray_cluster import train as train_on_ray
+
+        summary = train_on_ray(cfg)
+    else:
+        summary = train(cfg)
     print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}; run directory: {cfg.output_dir}")

@@ -56,6 +56,7 @@ class GroupItem:
     sampler_after: dict
     interrupted: bool = False  # partial_rollouts=drop: a newer version arrived while it was in flight
     reward_metrics: dict = field(default_factory=dict)
+    incarnation: str | None = None  # Ray: the rollout actor's life that produced it (a restarted one regenerates)
 
 
 @dataclass
@@ -403,6 +404,8 @@ def check_config(cfg) -> None:
 def attach(run, resume_state: dict | None) -> None:
     """Turn a set-up synchronous run into an asynchronous one (called by recipes/rl.py::setup)."""
     check_config(run.cfg)
+    if not run.cfg.systems.async_rl:  # cluster=ray, synchronous: the same pipeline, round n from version n
+        run.cfg.systems = run.cfg.systems.model_copy(update={"max_staleness": 0, "partial_rollouts": "finish"})
     if run.tis_cap is None:
         run.tis_cap = ASYNC_TIS_CAP
     alarms = run.alarms.settings

@@ -17,7 +17,8 @@ class SystemsSettings(Config):
     cluster: str = Field("local", pattern="^(local|ray)$", description="local (one process) | ray (rollout, reward and trainer as Ray actors; pip install 'posttrain[ray]')")
     ray_address: str = Field("", description="cluster=ray: address of an existing Ray cluster ('' = start a local one with ray.init())")
     ray_num_cpus: int | None = Field(None, ge=1, description="cluster=ray, local cluster only: CPUs Ray may use (None = all)")
-    rollout_cpus: float = Field(1.0, gt=0, description="cluster=ray: CPUs requested by the rollout worker actor")
+    trainer_cpus: float = Field(1.0, gt=0, description="cluster=ray: CPUs requested by the trainer actor")
+    rollout_cpus: float = Field(0.5, gt=0, description="cluster=ray: CPUs requested by the rollout worker actor")
     reward_cpus: float = Field(0.5, gt=0, description="cluster=ray: CPUs requested by the reward worker actor")
     rollout_gpus: float = Field(0.0, ge=0, description="cluster=ray: GPUs requested by the rollout worker actor")
 
@@ -26,6 +27,11 @@ class SystemsSettings(Config):
         if self.cluster == "local" and self.ray_address:
             raise ValueError("systems.ray_address is set but cluster=local: add cluster=ray")
         return self
+
+    @property
+    def pipelined(self) -> bool:
+        """Rollout through the producer pipeline (systems/async_rl.py): async RL, or any Ray run."""
+        return self.async_rl or self.cluster == "ray"
 
     def queue_bound(self, prompts_per_step: int) -> int:
         return self.queue_groups or (self.max_staleness + 2) * prompts_per_step

@@ -198,7 +198,7 @@ class RayRollout(AsyncRollout):
 
         super().__init__(cfg, self._start, resume)
         self.queue = Queue(maxsize=cfg.systems.queue_bound(cfg.prompts_per_step))
-        self.latest_ref = None
+        self.latest_ref, self.restarts, self.final_counters = None, 0, (0.0, 0)
 
     def _start(self, emit, weights, stop, resume):
         producer = RayProducer(self)
@@ -222,16 +222,18 @@ class RayRollout(AsyncRollout):
                 return item
 
     def _producer_counters(self) -> tuple[float, int]:
-        return self.producer.counters() if self.producer is not None else (0.0, 0)
+        return self.producer.counters() if self.producer is not None else self.final_counters
 
     def summary(self) -> dict:
         out = super().summary()
-        out["ray_rollout_restarts"] = self.producer.restarts if self.producer is not None else 0
+        out["ray_rollout_restarts"] = self.producer.restarts if self.producer is not None else self.restarts
         return out
 
     def close(self) -> None:
         self.stop.set()
         if self.producer is not None:
+            self.final_counters = self.producer.counters()
+            self.restarts = self.producer.restarts
             self.producer.close()
             self.producer = None
 

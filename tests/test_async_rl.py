@@ -242,3 +242,16 @@ def test_long_tail_async_is_faster(tmp_path):
           f"idle (trainer, generator): sync ({res['sync']['trainer_idle_s']:.2f}, {res['sync']['generator_idle_s']:.2f}) "
           f"async ({res['async']['trainer_idle_s']:.2f}, {res['async']['generator_idle_s']:.2f})")
     assert res["speedup"] > 1.2, res
+
+
+def test_producer_over_a_generate_only_backend(tmp_path, tiny_tok):
+    """StepAdapter (the vLLM path): submit/step/has_work over `generate`; a round comes out whole."""
+    from posttrain.systems.async_rl import StepAdapter, weights_of
+
+    prod, model = _producer(tmp_path, tiny_tok, k=0)
+    prod.engine = StepAdapter(prod.engine)
+    store = WeightStore()
+    store.publish(0, weights_of(model))
+    items = _drive(prod, store, lambda items: len(items) == 3)
+    assert sorted(i.index for i in items) == [0, 1, 2] and all(len(i.trajs) == 2 for i in items)
+    assert all(t.reward is not None and t.policy_version == 0 for i in items for t in i.trajs)

@@ -433,11 +433,52 @@ def attach(run, resume_state: dict | None) -> None:
     run.rollout.generator = producer
 
 
+class StepAdapter:
+    """submit / step / has_work over a backend with only a blocking `generate` (vLLM, HF): `step()` runs
+    everything submitted so far in one call. Samples in flight then never see a weight update."""
+
+    @dataclass(eq=False)
+    class _State:
+        request: object
+        output: object = None
+        remaining: int = 1
+
+    def __init__(self, backend):
+        self.backend, self.waiting = backend, []
+
+    def submit(self, requests):
+        states = [self._State(r) for r in requests]
+        self.waiting += states
+        return states
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> None:
+        todo, self.waiting = self.waiting, []
+        for st, out in zip(todo, self.backend.generate([s.request for s in todo])):
+            st.output, st.remaining = out, 0
+
+    def update_weights(self, state_dict: dict) -> None:
+        self.backend.update_weights(state_dict)
+
+
 def rollout_engine(run):
-    """The producer's engine on its own copy of the policy; rows for (k + 1) rounds decode together."""
+    """The producer's engine on its own copy of the policy; rows for (k + 1) rounds decode together.
+    systems.rollout_backend=vllm: a vLLM engine on the GPU (posttrain[vllm]) behind StepAdapter."""
     from posttrain.rollout.engine import Engine
 
     cfg = run.cfg
+    if cfg.systems.rollout_backend == "vllm":
+        from posttrain.models.loading import resolve
+        from posttrain.rollout.vllm_backend import VLLMBackend
+
+        path = resolve(cfg.model)
+        if path is None:
+            raise ValueError("rollout_backend=vllm needs a model folder or Hub id (vLLM cannot build tiny-random)")
+        dtype = "float32" if cfg.dtype in ("float32", "fp32") else "bfloat16"
+        return StepAdapter(VLLMBackend(str(path), dtype=dtype, seed=cfg.seed,
+                                       gpu_memory_utilization=cfg.systems.vllm_gpu_memory_utilization))
     model = copy.deepcopy(unwrap(run.model)).eval().requires_grad_(False)
     engine_cfg = run.engine.config
     if "max_num_seqs" not in cfg.engine.model_fields_set:

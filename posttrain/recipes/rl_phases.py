@@ -28,19 +28,36 @@ from posttrain.rollout.types import Request
 
 def generate(engine, tok, rows: list[formats.Row], first_group: int, cfg, seed: int, version: int) -> list[Trajectory]:
     """`group_size` samples of each row's prompt; group ids first_group, first_group + 1, …"""
-    requests = [Request(render_prompt(tok, r.data["prompt"]), cfg.sampling.params(n=cfg.group_size, seed=seed + i),
-                        request_id=i) for i, r in enumerate(rows)]
+    requests = requests_for(tok, rows, cfg, seed)
     out = []
     for i, res in enumerate(engine.generate(requests)):
-        if res.error:
-            raise rows[i].error("prompt", f"generation refused: {res.error}")
-        for c in res.samples:
-            text = c.text if c.text is not None else tok.decode(c.token_ids, skip_special_tokens=True)
-            kept = getattr(c, "kept_counts", None)
-            out.append(Trajectory(
-                res.prompt_token_ids, list(c.token_ids), torch.tensor(c.logprobs, dtype=torch.float32), first_group + i,
-                kept=torch.tensor(kept, dtype=torch.long) if kept is not None else None, policy_version=version,
-                finish_reason=c.finish_reason, text=text))
+        out += trajectories(res, rows[i], tok, first_group + i, version)
+    return out
+
+
+def batch_seed(seed: int, step: int, rounds: int = 0) -> int:
+    """Seed of the requests of one generation round (row i of the round samples with batch_seed + i)."""
+    return seed * 7919 + step * 1009 + rounds * 97
+
+
+def requests_for(tok, rows: list[formats.Row], cfg, seed: int) -> list[Request]:
+    """One request of `group_size` samples per row; row i samples with seed + i."""
+    return [Request(render_prompt(tok, r.data["prompt"]), cfg.sampling.params(n=cfg.group_size, seed=seed + i),
+                    request_id=i) for i, r in enumerate(rows)]
+
+
+def trajectories(res, row: formats.Row, tok, group: int, version: int) -> list[Trajectory]:
+    """The samples of one request output as trajectories of one group, sampled by policy `version`."""
+    if res.error:
+        raise row.error("prompt", f"generation refused: {res.error}")
+    out = []
+    for c in res.samples:
+        text = c.text if c.text is not None else tok.decode(c.token_ids, skip_special_tokens=True)
+        kept = getattr(c, "kept_counts", None)
+        out.append(Trajectory(
+            res.prompt_token_ids, list(c.token_ids), torch.tensor(c.logprobs, dtype=torch.float32), group,
+            kept=torch.tensor(kept, dtype=torch.long) if kept is not None else None, policy_version=version,
+            finish_reason=c.finish_reason, text=text))
     return out
 
 

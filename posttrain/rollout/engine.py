@@ -193,9 +193,7 @@ class Engine:
         `on_output(output)`, if given, is called with each request's output as soon as its last sample
         finishes (refused requests first), so a verifier can score while the engine keeps decoding."""
         self._t0 = time.perf_counter()
-        if not self.scheduler.has_work():
-            self._set_width(self._group_width(requests))
-        states = [self._add(r, i) for i, r in enumerate(requests)]
+        states = self.submit(requests)
         pending = states
         while pending and on_output is not None:  # report what is done, then step (O(pending) per step)
             done = [s for s in pending if s.remaining == 0]
@@ -210,6 +208,18 @@ class Engine:
         while self.scheduler.has_work():
             self.step()
         return [s.output for s in states]
+
+    def submit(self, requests: list[Request]) -> list[_RequestState]:
+        """Queue requests without running them: the caller drives `step()` while `has_work()` and reads
+        each state's `output` once its `remaining` is 0 (a streaming producer, e.g. asynchronous RL, adds
+        the next batch while the last one's long samples still decode). On an idle engine the slot width
+        is chosen for this batch, as in `generate`."""
+        if not self.scheduler.has_work():
+            self._set_width(self._group_width(requests))
+        return [self._add(r, i) for i, r in enumerate(requests)]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
     def _group_width(self, requests: list[Request]) -> int:
         """Sequences per group slot for this batch of requests: n when all requests sample the same

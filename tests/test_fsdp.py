@@ -1,0 +1,75 @@
+"""FSDP2 on CPU with gloo (posttrain/systems/fsdp.py): 2 ranks give the loss, gradient norm and updated
+weights of 1 rank on the same global batch, for SFT and GRPO steps, and a distributed checkpoint written
+at 2 ranks resumes at 1 (posttrain/systems/fsdp_check.py holds the scenarios). Run by `make test-dist`."""
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.dist
+
+
+def _worker(rank: int, world: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from posttrain.systems import fsdp_check
+    from posttrain.systems.fsdp import DistInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    info = DistInfo(rank, world)
+    for kind in ("sft", "rl"):
+        res = fsdp_check.distributed(kind, info, fsdp_check.Path(out) / kind)
+        if rank == 0:
+            torch.save(res, f"{out}/{kind}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sft", "rl"])
+def test_two_ranks_equal_one_rank_and_resume_at_one(two_ranks, kind):
+    from posttrain.systems import fsdp_check
+
+    dist_res = torch.load(two_ranks / f"{kind}.pt", weights_only=False)
+    state = json.loads((two_ranks / kind / "state.json").read_text())
+    assert state == {"step": fsdp_check.STEPS - 1, "world_size": 2}
+    diff = fsdp_check.differences(dist_res, fsdp_check.single(kind), fsdp_check.resumed(kind, two_ranks / kind))
+    print(kind, diff)
+    assert fsdp_check.within(diff), diff
+    assert len(dist_res["losses"]) == fsdp_check.STEPS and all(x > 0 for x in dist_res["grad_norms"])
+
+
+def test_rank_share_pads_with_weight_zero():
+    from posttrain.systems.fsdp import DistInfo, rank_share
+
+    items = ["a", "b", "c"]
+    assert rank_share(items, DistInfo(0, 2)) == [("a", 1.0), ("c", 1.0)]
+    assert rank_share(items, DistInfo(1, 2)) == [("b", 1.0), ("a", 0.0)]
+    assert rank_share(items, DistInfo(0, 1)) == [("a", 1.0), ("b", 1.0), ("c", 1.0)]
+
+
+def test_sft_step_at_one_rank_is_the_recipe_step():
+    """fsdp.sft_step (world 1) computes recipes/sft.py::accumulate_gradients's loss and gradient."""
+    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.recipes.sft import accumulate_gradients
+    from posttrain.systems import fsdp_check
+    from posttrain.systems.fsdp import DistInfo, Sharded, sft_backward, rank_share
+
+    tok = load_tokenizer("tiny-random")
+    batches = fsdp_check.sft_batches(tok)
+    a, b = load_model("tiny-random", seed=0), load_model("tiny-random", seed=0)
+    loss_a = accumulate_gradients(a, batches)
+    n = sum(x.num_loss_tokens for x in batches)
+    loss_b = sft_backward(Sharded(b), rank_share(batches, DistInfo()), n)
+    assert float(loss_b) == pytest.approx(float(loss_a), rel=1e-6)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-8), name

@@ -53,32 +53,24 @@ def collect_agentic(run, step: int):
     from posttrain.recipes import rl_phases as ph
 
     cfg, agent = run.cfg, run.agent
-    kept, episodes, rounds, dropped, seen = [], [], 0, 0, 0
+    episodes: list = []
     stats_all = RolloutStats()
-    while True:
-        need = cfg.prompts_per_step - len({t.group for t in kept})
-        rows = [run.rows[i].data for i in run.sampler.take(need)]
+
+    def produce(rows, first: int, rounds: int):
         with run.timer("generate"):
-            groups = new_episodes(agent.make_env, rows, cfg.group_size, agent.fmt, cfg.seed * 7919 + step * 1009 + rounds * 97, seen)
+            groups = new_episodes(agent.make_env, [r.data for r in rows], cfg.group_size, agent.fmt,
+                                  ph.batch_seed(cfg.seed, step, rounds), first)
             stats = run_episodes(run.engine, agent.fmt, groups, cfg.agent, cfg.sampling, run.tok)
         _add_stats(stats_all, stats)
         eps = [e for g in groups for e in g]
-        episodes += eps
-        new = [e.to_trajectory(run.tok, version=step) for e in eps]
-        seen, rounds = seen + need, rounds + 1
-        if run.dynamic:
-            new, n_drop = ph.informative_groups(new)
-            dropped += n_drop
-        kept += new
-        if not run.dynamic or len({t.group for t in kept}) >= cfg.prompts_per_step or rounds > cfg.max_resample:
-            break
-    if not kept:
-        kept = [e.to_trajectory(run.tok, version=step) for e in eps]
-    metrics = episode_metrics(episodes, stats_all)
-    metrics.update({"dynamic/rounds": rounds, "dynamic/groups_dropped": dropped})
+        episodes.extend(eps)
+        return [e.to_trajectory(run.tok, version=step) for e in eps]
+
+    kept, dynamic = ph.refill_groups(run, produce)
+    metrics = {**episode_metrics(episodes, stats_all), **dynamic}
     write_episodes(run.life.out / "episodes.jsonl", step, episodes[: cfg.samples_per_log], run.tok)
     update_plan_check(run, episodes, step)
-    return (kept[: cfg.prompts_per_step * cfg.group_size] if run.dynamic else kept), metrics
+    return kept, metrics
 
 
 def _add_stats(total: RolloutStats, s: RolloutStats) -> None:

@@ -231,36 +231,24 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     if run.rollout is not None:  # async RL: groups from the rollout queue, staleness <= k
         with run.timer("wait"):
             return run.rollout.collect(run, step)
-    cfg, G = run.cfg, run.cfg.group_size
-    kept: list[Trajectory] = []
+    cfg = run.cfg
     rows_by_group: dict = {}
-    rounds, seen, dropped, reward_metrics = 0, 0, 0, {}
-    while True:
-        need = cfg.prompts_per_step - len({t.group for t in kept})
-        rows = [run.rows[i] for i in run.sampler.take(need)]
-        rows_by_group.update({seen + j: r for j, r in enumerate(rows)})
+    reward_metrics: dict = {}
+
+    def produce(rows, first: int, rounds: int) -> list[Trajectory]:
+        rows_by_group.update({first + j: r for j, r in enumerate(rows)})
         with run.timer("generate"):
-            seed = ph.batch_seed(cfg.seed, step, rounds)
-            new = ph.generate(run.engine, run.tok, rows, seen, cfg, seed, version=step)
+            new = ph.generate(run.engine, run.tok, rows, first, cfg, ph.batch_seed(cfg.seed, step, rounds), version=step)
         with run.timer("reward"):
             ph.score(run.reward_fn, rows_by_group, new)
         if rounds == 0:
-            reward_metrics = dict(run.reward_fn.last_metrics)
-        seen += need
-        rounds += 1
-        last = new
-        if run.dynamic:
-            new, n_drop = ph.informative_groups(new)
-            dropped += n_drop
-        kept += new
-        if not run.dynamic or len({t.group for t in kept}) >= cfg.prompts_per_step or rounds > cfg.max_resample:
-            break
-    if not kept:
-        kept = last
+            reward_metrics.update(run.reward_fn.last_metrics)
+        return new
+
+    kept, dynamic = ph.refill_groups(run, produce)
     assert all(len({tuple(t.prompt_ids) for t in kept if t.group == g}) == 1 for g in {t.group for t in kept})
     metrics = {k: v for k, v in reward_metrics.items() if isinstance(v, (int, float))}  # rewards/<name>/…
-    metrics.update({"dynamic/rounds": rounds, "dynamic/groups_dropped": dropped})
-    return kept[: cfg.prompts_per_step * G] if run.dynamic else kept, metrics
+    return kept, {**metrics, **dynamic}
 
 
 def online_dpo_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, collect_metrics: dict) -> dict:

@@ -74,6 +74,31 @@ def score(reward_fn, rows_by_group: dict[int, formats.Row], trajs: list[Trajecto
         t.valid = v is not None
 
 
+def refill_groups(run, produce) -> tuple[list[Trajectory], dict]:
+    """Collect `prompts_per_step` groups. `produce(rows, first_group, round)` turns new prompt rows into scored
+    trajectories (groups numbered from first_group). With dynamic sampling (DAPO), groups without signal are
+    dropped and refilled with new prompts, at most `max_resample` extra rounds; when no group has signal the
+    last round is kept. -> (trajectories, {"dynamic/rounds", "dynamic/groups_dropped"})"""
+    cfg = run.cfg
+    kept: list[Trajectory] = []
+    last: list[Trajectory] = []
+    seen = rounds = dropped = 0
+    while True:
+        need = cfg.prompts_per_step - len({t.group for t in kept})
+        new = produce([run.rows[i] for i in run.sampler.take(need)], seen, rounds)
+        seen, rounds, last = seen + need, rounds + 1, new
+        if run.dynamic:
+            new, n_drop = informative_groups(new)
+            dropped += n_drop
+        kept += new
+        if not run.dynamic or len({t.group for t in kept}) >= cfg.prompts_per_step or rounds > cfg.max_resample:
+            break
+    kept = kept or last
+    if run.dynamic:
+        kept = kept[: cfg.prompts_per_step * cfg.group_size]
+    return kept, {"dynamic/rounds": rounds, "dynamic/groups_dropped": dropped}
+
+
 def informative_groups(trajs: list[Trajectory]) -> tuple[list[Trajectory], int]:
     """Dynamic sampling (DAPO): keep the groups whose applicable rewards are not all equal; a group
     with fewer than two applicable rewards has no signal either. Returns (kept trajectories, groups dropped)."""

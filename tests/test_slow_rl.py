@@ -42,8 +42,8 @@ def pass_at_1(model, tok, n: int = 8) -> float:
 
 @pytest.mark.parametrize("algo,mixed_precision,max_steps,budget_s,target,extra", [
     ("grpo", "bf16", 40, 240, 0.85, ()),  # the RL-core issue: >= 0.85 within 4 minutes of training
-    # PPO with a value model (2 more forwards and a backward per step); 2 epochs x 2 minibatches per batch
-    ("ppo", "bf16", 40, 600, 0.8, ("ppo_epochs=2", "ppo_minibatches=2")),
+    # PPO with a value model (2 more forwards and a backward per step); the preset's 2 epochs x 2 minibatches
+    ("ppo", "bf16", 40, 600, 0.8, ()),
 ])
 def test_rl_teaches_single_digit_addition(tmp_path, algo, mixed_precision, max_steps, budget_s, target, extra):
     from posttrain.config import parse_args

@@ -24,12 +24,15 @@ class AlgoPreset:
     beta: float  # default KL coefficient (KL in the loss)
     dynamic_sampling: bool  # drop groups whose rewards are all equal and refill (DAPO)
     paper: str
+    epochs: int = 1  # passes over each batch of samples (PPO: more than one, so the clipped ratio matters)
+    minibatches: int = 1  # optimizer steps per pass
 
 
 RL_PRESETS: dict[str, AlgoPreset] = {
     # PPO with a value model: token-level rewards (the KL folded in as k1), GAE, clipped value loss
+    # 2 epochs x 2 minibatches: on SmolLM2 addition 0.157 -> 0.944 pass@1 in 40 steps (1 x 1: 0.727)
     "ppo": AlgoPreset("gae", "ppo", "token_mean", BETA_PRESETS["instructgpt"], False,
-                      "Schulman et al. 2017; Ouyang et al. 2022, InstructGPT"),
+                      "Schulman et al. 2017; Ouyang et al. 2022, InstructGPT", epochs=2, minibatches=2),
     # online DPO: best vs worst of each group under the reward, a preference loss (pref_loss=dpo|ipo|…)
     "online_dpo": AlgoPreset("grpo", "ppo", "token_mean", 0.0, False,
                              "Guo et al. 2024, Direct Language Model Alignment from Online AI Feedback"),

@@ -83,8 +83,8 @@ class RLConfig(CommonConfig):
     dynamic_sampling: bool | None = Field(None, description="drop groups whose rewards are all equal and refill (default: the algo's)")
     max_resample: int = Field(3, ge=0, description="extra generation rounds to refill after dynamic sampling")
     mask_truncated: bool = Field(False, description="leave samples cut at max_new_tokens out of the loss")
-    ppo_epochs: int = Field(1, ge=1, description="passes over each batch of samples (1 = strictly on-policy)")
-    ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per pass (the batch split in whole micro-batches)")
+    ppo_epochs: int | None = Field(None, ge=1, description="passes over each batch of samples (None = the algo's preset: 2 for ppo, else 1 = strictly on-policy)")
+    ppo_minibatches: int | None = Field(None, ge=1, description="optimizer steps per pass, the batch split in whole micro-batches (None = the preset: 2 for ppo, else 1)")
     gamma: float = Field(1.0, ge=0, le=1, description="PPO: GAE discount γ")
     lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE λ")
     value_model: str = Field("", description="PPO: '' = a copy of the policy with a zero scalar head; or a reward model folder (AutoModelForSequenceClassification)")
@@ -144,6 +144,14 @@ class RLConfig(CommonConfig):
         if self.algo == "online_dpo":
             return bool(preference_losses.meta(self.pref_loss).get("reference", True))
         return self.resolved_beta > 0
+
+    @property
+    def epochs(self) -> int:
+        return rl_preset(self.algo).epochs if self.ppo_epochs is None else self.ppo_epochs
+
+    @property
+    def minibatches(self) -> int:
+        return rl_preset(self.algo).minibatches if self.ppo_minibatches is None else self.ppo_minibatches
 
     @property
     def resolved_beta(self) -> float:
@@ -299,8 +307,8 @@ def update(run: RLRun, batches, train_policy: bool = True) -> dict:
     stats = {"losses": ph.TokenMeans(), "critic": ph.TokenMeans(), "loss": 0.0, "entropy": 0.0,
              "cons": {"dlogp_max": 0.0, "dlogp_sum": 0.0, "kl_sum": 0.0, "tokens": 0}, "grad_norm": None}
     lr, beta_used = run.scheduler.get_last_lr()[0], (run.kl_ctl.value if run.ref is not None else 0.0)
-    minibatches = [batches[i::cfg.ppo_minibatches] for i in range(min(cfg.ppo_minibatches, len(batches)))]
-    for epoch in range(cfg.ppo_epochs):
+    minibatches = [batches[i::cfg.minibatches] for i in range(min(cfg.minibatches, len(batches)))]
+    for epoch in range(cfg.epochs):
         for mb in minibatches:
             norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
                      "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
@@ -339,7 +347,7 @@ def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: 
         stats["entropy"] += float((entropy * b.mask).sum())
     loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, beta, cfg.kl_estimator, run.tis_cap, norms)
     loss.backward()
-    stats["loss"] += float(loss.detach()) / cfg.ppo_epochs
+    stats["loss"] += float(loss.detach()) / cfg.epochs
     stats["losses"].add(m, float(b.loss_mask.sum()))
 
 

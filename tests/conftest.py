@@ -43,3 +43,24 @@ def run_rl(tmp_path, *overrides, name="run"):
         "progress=false", *overrides,
     ])
     return rl.train(cfg), tmp_path / name
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A fake LLM judge (tests/fake_judge.py) served over HTTP, one per test module."""
+    from fake_judge import FakeJudge
+
+    fake = FakeJudge()
+    with fake.serve() as srv:
+        yield fake, srv
+
+
+@pytest.fixture
+def fake(server):
+    """The module's fake judge, reset to its defaults for each test."""
+    fake, srv = server
+    fake.verdict, fake.malformed_first, fake.status_first, fake.status, fake.delay_s = "longer", 0, 0, 500, 0.0
+    fake.requests.clear()
+    fake.seen.clear()
+    fake.base_url = srv.base_url
+    return fake

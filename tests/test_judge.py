@@ -6,26 +6,10 @@ import time
 
 import pytest
 
-from fake_judge import FakeJudge
 from posttrain.eval import judge_prompts
 from posttrain.eval.judge import Judge, JudgeSettings, parse_pairwise, parse_score, question_text
 
 
-@pytest.fixture(scope="module")
-def server():
-    fake = FakeJudge()
-    with fake.serve() as srv:
-        yield fake, srv
-
-
-@pytest.fixture
-def fake(server):
-    fake, srv = server
-    fake.verdict, fake.malformed_first, fake.status_first, fake.status, fake.delay_s = "longer", 0, 0, 500, 0.0
-    fake.requests.clear()
-    fake.seen.clear()
-    fake.base_url = srv.base_url
-    return fake
 
 
 def judge(fake, **kw):

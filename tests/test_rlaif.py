@@ -6,27 +6,11 @@ import json
 import pytest
 
 from conftest import write_jsonl
-from fake_judge import FakeJudge
 from posttrain.cli import main as cli
 from posttrain.errors import UserError
 from posttrain.rewards.registry import RewardError, compose
 
 
-@pytest.fixture(scope="module")
-def server():
-    fake = FakeJudge()
-    with fake.serve() as srv:
-        yield fake, srv
-
-
-@pytest.fixture
-def fake(server):
-    fake, srv = server
-    fake.verdict, fake.malformed_first, fake.status_first, fake.status, fake.delay_s = "longer", 0, 0, 500, 0.0
-    fake.requests.clear()
-    fake.seen.clear()
-    fake.base_url = srv.base_url
-    return fake
 
 
 def judge_reward(fake, tmp_path, **opts):

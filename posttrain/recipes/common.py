@@ -112,3 +112,15 @@ def progress(total: int, initial: int, desc: str, enabled: bool = True):
 
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled or os.environ.get("POSTTRAIN_NO_PROGRESS") == "1",
                 file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def optimizer_step(model, optimizer, max_grad_norm: float, scheduler=None) -> torch.Tensor:
+    """Clip the gradient norm (max_grad_norm <= 0: measured, not clipped), step, advance the schedule when
+    one is given, zero the gradients. -> the norm before clipping."""
+    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm

@@ -45,7 +45,7 @@ from posttrain.monitor.alarms import AlarmSettings
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes import distill_cache
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.recipes.rl import RLConfig
 from posttrain.recipes.rs import RSConfig
@@ -314,22 +314,13 @@ def logit_step(run: LogitRun, step: int) -> dict:
                 sums[k] = sums.get(k, 0) + v
     with timer("update"):  # 4.
         lr = run.scheduler.get_last_lr()[0]
-        grad_norm = _optimizer_step(run.model, run.optimizer, run.scheduler, cfg.optim.max_grad_norm)
+        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm, run.scheduler)
     run.measured.add_step(sums["tokens"])
     row = {"loss": sums["loss"], "distill/kd": sums["kd"] / n_loss, "distill/nll": sums["nll"] / n_loss, "lr": lr,
            "grad_norm": grad_norm, "tokens": sums["tokens"], "loss_tokens": n_loss, "padding_tokens": sums["padding"],
            "cache/read_tokens": run.cache.read_tokens, "cache/teacher_tokens": run.cache_info["teacher_tokens"],
            "epoch": run.sampler.epoch, "tokens_per_s": sums["tokens"] / (time.perf_counter() - t0), **timer.pop()}
     return run.metrics.write(step + 1, row)  # 5.
-
-
-def _optimizer_step(model, optimizer, scheduler, max_grad_norm: float):
-    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
 
 
 def train_logit(cfg: DistillConfig) -> dict:

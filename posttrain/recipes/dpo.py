@@ -45,7 +45,7 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
@@ -278,12 +278,8 @@ def dpo_step(run: DPORun, step: int) -> dict:
         loss, metrics, computed, seq_tokens = accumulate(run, ids, z0)
     # 4. update
     with timer("update"):
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], max_norm)
         lr = run.scheduler.get_last_lr()[0]
-        run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm, run.scheduler)
         synchronize(run.device)
     dt = time.perf_counter() - t0
     run.measured.add_step(seq_tokens)

@@ -97,11 +97,11 @@ def run_rl_stage(cfg: rl_recipe.RLConfig, eval_s: float) -> dict:
     if run.life.start:
         print(f"      resuming from step {run.life.start}", flush=True)
     t0 = time.perf_counter()
-    for step in range(run.life.start, cfg.max_steps):
-        row = rl_recipe.rl_step(run, step)
-        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, rl_recipe.checkpoint_state(run))
-        print(progress_line(step + 1, cfg.max_steps, row, t0, run.life.start, eval_s), flush=True)
-    return rl_recipe.finish(run)
+
+    def show(done: int, row: dict) -> None:
+        print(progress_line(done, cfg.max_steps, row, t0, run.life.start, eval_s), flush=True)
+
+    return rl_recipe.run_steps(run, on_step=show)
 
 
 def main(argv: list[str]) -> None:

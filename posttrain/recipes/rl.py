@@ -44,7 +44,7 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes import rl_phases as ph
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.rewards.registry import compose
 from posttrain.rollout.engine import EngineConfig
@@ -351,14 +351,6 @@ def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: 
     stats["losses"].add(m, float(b.loss_mask.sum()))
 
 
-def optimizer_step(model, optimizer, max_grad_norm: float):
-    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
-
-
 def update_metrics(run: RLRun, stats: dict, lr: float, beta: float, batches) -> dict:
     out = stats["losses"].result()
     kl = out.pop("kl/mean", 0.0)
@@ -504,7 +496,13 @@ def critic_extras(run: RLRun) -> dict | None:
 
 
 def train(cfg: RLConfig) -> dict:
-    run = setup(cfg)
+    return run_steps(setup(cfg))
+
+
+def run_steps(run: RLRun, on_step=None) -> dict:
+    """Steps life.start .. max_steps (checkpoints, alarm stops, the rollout producer closed), then `finish`.
+    `on_step(steps_done, row)` runs after each step (the quickstart prints its progress line there)."""
+    cfg = run.cfg
     bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress)
     try:
         for step in range(run.life.start, cfg.max_steps):
@@ -519,6 +517,8 @@ def train(cfg: RLConfig) -> dict:
             bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
             run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
                                 extras=critic_extras(run))
+            if on_step is not None:
+                on_step(step + 1, logged)
     finally:
         if run.rollout is not None:
             run.rollout.close()  # stop the rollout producer (thread or Ray actors)

@@ -37,7 +37,7 @@ from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.lifecycle import RunLifecycle
 
 
@@ -113,12 +113,8 @@ def rm_step(run: RMRun, step: int) -> dict:
             seq_tokens += sum(2 * len(examples[j].prompt_ids) + sum(map(len, examples[j].continuations)) for j in idx)
     # 3. update
     with timer("update"):
-        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], max_norm)
         lr = run.scheduler.get_last_lr()[0]
-        run.optimizer.step()
-        run.scheduler.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm, run.scheduler)
         synchronize(run.device)
     # 4. log
     dt = time.perf_counter() - t0

@@ -31,7 +31,7 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.lifecycle import RunLifecycle
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, progress, seed_everything
+from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
 PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"
@@ -247,12 +247,8 @@ def train(cfg: SFTConfig) -> dict:
             loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
         # 4. update
         with timer("update"):
-            max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(model, optimizer, cfg.optim.max_grad_norm, scheduler)
             synchronize(device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
         # 5. log
         n_tok = sum(b.num_tokens for b in batches)

@@ -40,20 +40,18 @@ class GenerateConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="builtin: KV cache size in MiB")
 
 
-def read_prompts(path: str, tokenizer, rows_out: list | None = None) -> list[list[int]]:
-    """Token ids of every `prompt` (a string becomes one user turn; the chat template adds the generation header);
-    `rows_out` receives the rows' data (their other columns, e.g. `answer`, travel to the output for `score`)."""
+def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
+    """(token ids of every `prompt`, the rows): a string prompt becomes one user turn and the chat template
+    adds the generation header; the rows' other columns (e.g. `answer`) travel to the output for `score`."""
     from posttrain.data import formats
 
     rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
-    if rows_out is not None:
-        rows_out.extend(r.data for r in rows)
     prompts = []
     for row in rows:
         prompt = row.data["prompt"]
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
-    return prompts
+    return prompts, [r.data for r in rows]
 
 
 def make_backend(cfg: GenerateConfig, model_name: str):
@@ -84,8 +82,7 @@ def main(argv: list[str]) -> None:
     if not cfg.data:
         raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
     backend, tok = make_backend(cfg, cfg.model)
-    rows: list[dict] = []
-    prompts = read_prompts(cfg.data, tok, rows)
+    prompts, rows = read_prompts(cfg.data, tok)
     requests = [Request(p, SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                           max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop_strings),
                                           ignore_eos=cfg.ignore_eos, seed=cfg.seed + i), request_id=i)

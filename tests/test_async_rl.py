@@ -241,7 +241,10 @@ def test_long_tail_async_is_faster(tmp_path):
     print(f"\nsync {res['sync']['wall_s']:.2f} s, async {res['async']['wall_s']:.2f} s, speedup {res['speedup']:.2f}x; "
           f"idle (trainer, generator): sync ({res['sync']['trainer_idle_s']:.2f}, {res['sync']['generator_idle_s']:.2f}) "
           f"async ({res['async']['trainer_idle_s']:.2f}, {res['async']['generator_idle_s']:.2f})")
-    assert res["speedup"] > 1.2, res
+    # the device time is sleeps, which overlap with training only in async mode: async must finish first (the
+    # size of the gain is the benchmark's to report, not a test's); staleness shows generation ran ahead
+    assert res["speedup"] > 1.0, res
+    assert max(int(k) for k in res["async"]["staleness_hist"]) >= 1, res
 
 
 def test_producer_over_a_generate_only_backend(tmp_path, tiny_tok):

@@ -9,6 +9,7 @@ a + b is chosen, one whose last number is not is rejected, same prompt. Then
 """
 
 import json
+import os
 import time
 
 import pytest
@@ -22,6 +23,7 @@ pytestmark = [
 ]
 
 MODEL = "smollm2-135m-instruct"
+SEED = int(os.environ.get("POSTTRAIN_SLOW_SEED", "0"))  # rerun with another seed: POSTTRAIN_SLOW_SEED=1
 REWARD_OPTIONS = {"math": {"mode": "last_number"}}
 
 
@@ -69,13 +71,13 @@ def pairs_file(tmp_path_factory):
     tok = load_tokenizer(MODEL)
     model = load_model(MODEL)
     t0 = time.perf_counter()
-    pairs = own_pairs(model, tok)
+    pairs = own_pairs(model, tok, seed=SEED)
     print(f"\n{len(pairs)} pairs from {len({p['answer'] + json.dumps(p['prompt']) for p in pairs})} prompts "
           f"in {time.perf_counter() - t0:.0f} s")
     return write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pairs)
 
 
-DPO_ARGS = [f"model={MODEL}", "loss=dpo", "beta=0.1", "batch_size=16", "optim.lr=5e-6", "optim.warmup_steps=2",
+DPO_ARGS = [f"seed={SEED}", f"model={MODEL}", "loss=dpo", "beta=0.1", "batch_size=16", "optim.lr=5e-6", "optim.warmup_steps=2",
             "optim.schedule=linear", "eval_every=0", "length_probe.prompts=0", "progress=false",
             "eval_fraction=0.1"]
 

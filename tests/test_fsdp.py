@@ -100,3 +100,59 @@ def test_sft_step_at_one_rank_is_the_recipe_step():
     assert float(loss_b) == pytest.approx(float(loss_a), rel=1e-6)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-8), name
+
+
+# ---------------------------------------------------------------- the SFT recipe under torchrun
+
+SFT_ARGS = ["sft", "model=tiny-random", "data=arithmetic", "max_steps=6", "save_every=2", "batch_size=4",
+            "micro_batch_size=1", "progress=false", "resume=true"]
+
+
+def _posttrain(out, *launcher, env=None, extra=()):
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    cmd = [*launcher, "-m", "posttrain", *SFT_ARGS, f"output_dir={out}", *extra]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def _final(run):
+    from safetensors.torch import load_file
+
+    return load_file(run / "final" / "model.safetensors")
+
+
+def _losses(run):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_sft_recipe_under_torchrun(tmp_path):
+    """`torchrun -m posttrain sft` at 2 ranks: the losses and final weights of one process (fp32 summation
+    order); a rank killed after step 5 (POSTTRAIN_FAIL_AT) is restarted by torchrun and the run resumes from
+    the step-4 distributed checkpoint to the very same weights; that checkpoint also resumes in one process."""
+    import shutil
+    import sys
+
+    from posttrain.systems import fsdp_check
+    from posttrain.systems.faults import EXIT_CODE
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    _posttrain(tmp_path / "one", sys.executable)
+    _posttrain(tmp_path / "two", *torchrun)
+    killed = _posttrain(tmp_path / "killed", *torchrun, "--max-restarts", "1", env={"POSTTRAIN_FAIL_AT": "1:5"})
+    one, two, again = (_final(tmp_path / n) for n in ("one", "two", "killed"))
+
+    assert f"exitcode  : {EXIT_CODE}" in killed.stderr or f"exitcode: {EXIT_CODE}" in killed.stderr
+    assert (tmp_path / "killed" / ".failed-rank1-step5").exists()
+    assert sorted((tmp_path / "two" / "checkpoints").iterdir())[0].joinpath("dcp").is_dir()
+    assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "one").values(), _losses(tmp_path / "two").values())) < 1e-4
+    assert fsdp_check.within_tolerances(two, one)
+    assert _losses(tmp_path / "killed") == _losses(tmp_path / "two")  # steps 1..6, each once
+    assert all(torch.equal(two[k], again[k]) for k in two)
+
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-6")  # resume the step-4 DCP checkpoint at world size 1
+    shutil.rmtree(tmp_path / "two" / "final")
+    _posttrain(tmp_path / "two", sys.executable)
+    assert fsdp_check.within_tolerances(_final(tmp_path / "two"), two)

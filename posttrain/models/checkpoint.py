@@ -3,6 +3,10 @@
 Layout: checkpoints/step-N/{weights.safetensors, optimizer.pt, scheduler.pt, rng.pt, state.json}.
 state.json is written last: a folder without it is incomplete and ignored. The folder is written
 under a temporary name and renamed, so an interruption never leaves a half checkpoint in place.
+
+A run sharded over W ranks (torchrun + FSDP2, posttrain/systems/fsdp.py) writes the weights and the
+optimizer as a distributed checkpoint instead: checkpoints/step-N/{dcp/, scheduler.pt, rng.pt, state.json}.
+It resumes at any world size, one process included (DCP reshards on load).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from posttrain.errors import UserError
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -38,11 +44,16 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int = 2,
-                    extras: dict | None = None) -> Path:
-    """`extras`: name -> (module, optimizer) saved beside the policy (PPO's value model)."""
+                    extras: dict | None = None, dist_info=None) -> Path:
+    """`extras`: name -> (module, optimizer) saved beside the policy (PPO's value model). With `dist_info`
+    (a sharded run) every rank calls this: the shards go to a distributed checkpoint."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
+    if dist_info is not None:
+        if extras:
+            raise NotImplementedError("sharded checkpoints of extra models (PPO's value model)")
+        return _save_sharded(run_dir, final, tmp, model, optimizer, scheduler, {"step": step, **state}, keep, dist_info)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(trainable_state(model), tmp / "weights.safetensors")
@@ -60,6 +71,29 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     return final
 
 
+def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, scheduler, state: dict, keep: int,
+                  info) -> Path:
+    """Rank 0 writes scheduler, RNG and (last, after every rank's shards) state.json, then renames."""
+    import torch.distributed as dist
+
+    from posttrain.systems.fsdp import save_dcp
+
+    if info.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+    dist.barrier()
+    save_dcp(tmp, model, optimizer, state, info)  # barrier after the shards, then state.json on rank 0
+    if info.main:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
@@ -69,7 +103,13 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None = None) -> dict:
-    """Restore everything in place; returns state.json (step, data position, ...)."""
+    """Restore everything in place; returns state.json (step, data position, ...). A distributed checkpoint
+    loads into a sharded model at any world size, or into a plain model."""
+    if (path / "dcp").is_dir():
+        return _load_sharded(path, model, optimizer, scheduler, extras)
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise UserError(f"{path} was written by one process: resume it with one process (a checkpoint written "
+                        "under torchrun resumes at any world size, one process included)")
     _load_weights(path / "weights.safetensors", model)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
@@ -78,6 +118,17 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None
         opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "state.json").read_text())
+
+
+def _load_sharded(path: Path, model, optimizer, scheduler, extras: dict | None) -> dict:
+    from posttrain.systems.fsdp import load_dcp
+
+    if extras:
+        raise UserError(f"{path}: a distributed checkpoint holds no {', '.join(extras)} model")
+    state = load_dcp(path, model, optimizer)
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return state
 
 
 def _load_weights(file: Path, model) -> None:

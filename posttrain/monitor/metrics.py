@@ -34,11 +34,14 @@ def scalar_values(metrics: dict[str, Any]) -> dict[str, float]:
 
 class MetricsWriter:
     """Appends `{"step": N, ...}` lines to metrics.jsonl. On resume, lines past `step` are dropped.
-    `sinks` (monitor/sinks.py) receive each row's numbers at the same step."""
+    `sinks` (monitor/sinks.py) receive each row's numbers at the same step. `path=None` (ranks other than
+    0 of a sharded run) writes nothing and returns the rows."""
 
-    def __init__(self, path: str | Path, resume_step: int | None = None, sinks: Sequence = ()):
-        self.path = Path(path)
+    def __init__(self, path: str | Path | None, resume_step: int | None = None, sinks: Sequence = ()):
+        self.path = Path(path) if path is not None else None
         self.sinks = list(sinks)
+        if self.path is None:
+            return
         if resume_step is not None and self.path.exists():
             keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l).get("step", 0) <= resume_step]
             self.path.write_text("".join(l + "\n" for l in keep))
@@ -47,6 +50,8 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, **{k: to_python(v) for k, v in metrics.items()}}
+        if self.path is None:
+            return row
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.sinks:

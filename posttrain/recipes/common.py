@@ -28,13 +28,15 @@ class OptimSettings(Config):
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global gradient norm (0: no clipping)")
 
 
-def setup_run(cfg, resume: bool) -> Path:
-    """Create output_dir; refuse to overwrite a finished run unless resuming."""
+def setup_run(cfg, resume: bool, write: bool = True) -> Path:
+    """Create output_dir (when `write`: rank 0 of a sharded run); refuse to overwrite a finished run unless
+    resuming (on every rank)."""
     out = Path(cfg.output_dir)
     if out.exists() and not resume and any(out.glob("checkpoints/step-*")):
         raise UserError(f"{out} already holds a run with checkpoints: pass resume=true, or choose another output_dir")
-    out.mkdir(parents=True, exist_ok=True)
-    save_yaml(cfg, out / "config.yaml")
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, out / "config.yaml")
     return out
 
 

@@ -10,6 +10,9 @@ summary and report. A recipe reads:
         life.checkpoint(step + 1, model, optimizer, scheduler, state_dict)   # honours save_every
     life.save_final(model, tok, lora=False)
     life.finish(summary, title, sections)             # summary.json + report.html; closes the sinks
+
+Under torchrun (`dist_info` with world size W > 1) every rank runs the recipe: rank 0 alone writes the
+run directory's files, every rank takes part in the collective parts (sharded checkpoints, final weights).
 """
 
 from __future__ import annotations
@@ -25,13 +28,25 @@ from posttrain.recipes.common import setup_run
 
 
 class RunLifecycle:
-    def __init__(self, cfg):
+    def __init__(self, cfg, dist_info=None):
+        from posttrain.systems.fsdp import DistInfo, barrier
+
         self.cfg = cfg
+        self.info = dist_info or DistInfo()
         existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
         self.resume_from = existing[-1] if existing else None
-        self.out = setup_run(cfg, resume=cfg.resume)
+        self.out = setup_run(cfg, resume=cfg.resume, write=self.info.main)
+        barrier(self.info)
         self.start = 0
         self.writer: MetricsWriter | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.info.main
+
+    @property
+    def sharded(self) -> bool:
+        return self.info.world > 1
 
     @property
     def resuming(self) -> bool:
@@ -51,6 +66,9 @@ class RunLifecycle:
 
     def metrics_from(self, resume_step: int | None) -> MetricsWriter:
         """metrics.jsonl kept up to `resume_step` (None: emptied), and the sinks of `report_to` opened."""
+        if not self.main:
+            self.writer = MetricsWriter(None)
+            return self.writer
         sinks = open_sinks(getattr(self.cfg, "report_to", "none"), self.out, self.cfg.model_dump(mode="json"), resume_step)
         self.writer = MetricsWriter(self.out / "metrics.jsonl", resume_step=resume_step, sinks=sinks)
         return self.writer
@@ -58,7 +76,7 @@ class RunLifecycle:
     def fresh_file(self, name: str) -> Path:
         """A run-directory file that a fresh run empties and a resumed run appends to."""
         path = self.out / name
-        if not self.resuming:
+        if not self.resuming and self.main:
             path.write_text("")
         return path
 
@@ -68,11 +86,18 @@ class RunLifecycle:
         every = self.cfg.save_every
         if force or (every and done % every == 0 and done != self.cfg.max_steps):
             save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints,
-                            extras=extras)
+                            extras=extras, dist_info=self.info if self.sharded else None)
 
     def save_final(self, model, tok, lora: bool = False) -> Path:
-        """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/."""
+        """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/.
+        A sharded model is gathered (every rank) and written by rank 0."""
         path = self.out / "final"
+        if self.sharded:
+            from posttrain.systems.fsdp import barrier, save_full
+
+            save_full(model, tok, path, self.info)
+            barrier(self.info)
+            return path
         path.mkdir(parents=True, exist_ok=True)
         if lora:
             model.save_pretrained(path / "adapter")
@@ -89,6 +114,8 @@ class RunLifecycle:
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
     def finish(self, summary: dict, title: str, sections: dict) -> None:
+        if not self.main:
+            return
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         write_report(self.out, title, {**sections, "config": self.cfg.model_dump(mode="json")})
         if self.writer is not None:

@@ -6,6 +6,10 @@ Per optimizer step:
     3. loss     −Σ log p / (loss tokens in the whole step)  -> accumulation == one large batch
     4. update   clip grad norm, AdamW step, schedule step
     5. log      metrics.jsonl (+ eval loss, held-out pass@1 with `eval_tasks`, samples, checkpoints at their intervals)
+
+Under `torchrun --nproc-per-node W -m posttrain sft …` the model is sharded with FSDP2 and each rank runs
+its share of the step's micro-batches (posttrain/systems/fsdp.py: same loss and update as one process on
+the same global batch); checkpoints are distributed (DCP) and resume at any world size.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
+from posttrain.errors import UserError
 from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
@@ -32,6 +37,8 @@ from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
+from posttrain.systems import fsdp
+from posttrain.systems.faults import maybe_fail
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
 PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"
@@ -124,14 +131,19 @@ def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], li
 
 
 @torch.no_grad()
-def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig) -> float:
-    """Mean negative log-likelihood per loss token over `samples`."""
+def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info: fsdp.DistInfo | None = None) -> float:
+    """Mean negative log-likelihood per loss token over `samples` (a sharded model: every rank calls it)."""
     if not samples:
         return float("nan")
     model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for b in micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False, device=device):
+    batches = micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False, device=device)
+    if info is not None and info.world > 1:
+        nll = fsdp.mean_nll(model, batches, info, cfg.logit_chunk, cfg.mixed_precision)
+        model.train()
+        return nll
+    for b in batches:
         logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk, mixed_precision=cfg.mixed_precision)
         total += -logp.sum().item()
         count += logp.numel()
@@ -197,10 +209,39 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_p
     return total
 
 
+def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig, info: fsdp.DistInfo,
+               timer: PhaseTimer) -> tuple[float, float]:
+    """Steps 2-4: forward + backward normalised over the whole step, clip, AdamW, schedule.
+    Sharded (W ranks): this rank's share of the micro-batches, the token count reduced once."""
+    if info.world > 1:
+        with timer("forward_backward_update"):
+            out = fsdp.sft_step(model, optimizer, batches, info, cfg.optim.max_grad_norm, cfg.logit_chunk,
+                                cfg.mixed_precision)
+            scheduler.step()
+        return out["loss"], out["grad_norm"]
+    with timer("forward_backward"):
+        loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
+    with timer("update"):
+        grad_norm = optimizer_step(model, optimizer, cfg.optim.max_grad_norm, scheduler)
+    return loss_sum, grad_norm
+
+
+def init_ranks(cfg: SFTConfig) -> fsdp.DistInfo:
+    """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
+    info = fsdp.init_from_env()
+    if info.world > 1:
+        for on, what in ((cfg.lora.enabled, "lora"), (bool(cfg.eval_tasks.data), "eval_tasks")):
+            if on:
+                raise UserError(f"{what} is not supported under torchrun yet (world size {info.world}): "
+                                "run it in one process")
+    return info
+
+
 def train(cfg: SFTConfig) -> dict:
-    """Run SFT; returns the summary written to the report."""
+    """Run SFT; returns the summary written to the report (rank 0; other ranks of a sharded run: {})."""
     device = resolve_device(cfg.device)  # refuse an unusable device before any work
-    life = RunLifecycle(cfg)
+    info = init_ranks(cfg)
+    life = RunLifecycle(cfg, info)
     out = life.out
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
@@ -217,6 +258,7 @@ def train(cfg: SFTConfig) -> dict:
         model = apply_lora(model, cfg.lora)
     model.train()
     trainable, total = trainable_fraction(model)
+    inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     sampler = EpochSampler(len(units), cfg.seed)
     pad_id = tok.pad_token_id
@@ -226,13 +268,14 @@ def train(cfg: SFTConfig) -> dict:
     if state:
         sampler.load(state["sampler"])
     elif cfg.forgetting_probe:
-        summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
-    write_plan(out, plan_run(cfg, model, units, sampler, cfg.max_steps - start))
+        summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg, info)
+    if life.main:
+        write_plan(out, plan_run(cfg, inner, units, sampler, cfg.max_steps - start))
     metrics = life.metrics()
     life.fresh_file("samples.jsonl")
 
     timer = PhaseTimer()
-    bar = progress(cfg.max_steps, start, "sft", cfg.progress)
+    bar = progress(cfg.max_steps, start, "sft", cfg.progress and life.main)
     t_run = time.perf_counter()
     tokens_seen = 0
     for step in range(start, cfg.max_steps):
@@ -242,14 +285,10 @@ def train(cfg: SFTConfig) -> dict:
             step_units = [units[i] for i in sampler.take(cfg.batch_size)]
             batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of, device)
             n_loss = sum(b.num_loss_tokens for b in batches)
-        # 2-3. forward + loss, normalised over the whole step
-        with timer("forward_backward"):
-            loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
-        # 4. update
-        with timer("update"):
-            lr = scheduler.get_last_lr()[0]
-            grad_norm = optimizer_step(model, optimizer, cfg.optim.max_grad_norm, scheduler)
-            synchronize(device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
+        # 2-4. forward + loss normalised over the whole step, update
+        lr = scheduler.get_last_lr()[0]
+        loss_sum, grad_norm = sft_update(model, optimizer, scheduler, batches, cfg, info, timer)
+        synchronize(device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
         # 5. log
         n_tok = sum(b.num_tokens for b in batches)
         n_pad = sum(b.num_padding for b in batches)
@@ -263,25 +302,28 @@ def train(cfg: SFTConfig) -> dict:
         }
         done = step + 1
         if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg)
+            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg, info)
         if eval_hook.due(done, last=done == cfg.max_steps):
             row.update(task_eval(eval_hook, model, tok, cfg, done))
-        if cfg.sample_every and sample_convs and (done % cfg.sample_every == 0 or done == cfg.max_steps):
+        if cfg.sample_every and sample_convs and info.world == 1 and (done % cfg.sample_every == 0 or done == cfg.max_steps):
             write_samples(model, tok, sample_convs, done, out / "samples.jsonl", cfg.sample_max_tokens)
         logged = metrics.write(done, row)
         bar.update(1)
         bar.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
         life.checkpoint(done, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary})
+        maybe_fail(info.rank, done, out)
     bar.close()
 
     if cfg.max_steps > start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
         life.checkpoint(cfg.max_steps, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary},
                         force=True)
     if cfg.forgetting_probe:
-        summary["probe_loss_after"] = mean_nll(model, probe_samples(tok), pad_id, cfg)
+        summary["probe_loss_after"] = mean_nll(model, probe_samples(tok), pad_id, cfg, info)
         if "probe_loss_before" in summary:
             summary["probe_loss_delta"] = summary["probe_loss_after"] - summary["probe_loss_before"]
     life.save_final(model, tok, lora=cfg.lora.enabled)
+    if not life.main:
+        return {}
     rows = life.history()
     summary.update({
         "steps": cfg.max_steps,
@@ -297,6 +339,7 @@ def train(cfg: SFTConfig) -> dict:
         "padding_fraction": sum(r["padding_tokens"] for r in rows) / max(1, sum(r["tokens"] + r["padding_tokens"] for r in rows)),
         "wall_seconds_this_session": time.perf_counter() - t_run,
         "tokens_this_session": tokens_seen,
+        "world_size": info.world,
     })
     plan = json.loads(write_measured(out, measured).read_text())
     life.finish(summary, f"SFT — {cfg.model}", {"summary": summary, "plan vs measured": plan_comparison(plan)})
@@ -339,6 +382,8 @@ def plan_comparison(plan: dict) -> dict:
 def main(argv: list[str]) -> None:
     cfg = parse_args(SFTConfig, argv, prog="posttrain sft")
     summary = train(cfg)
+    if not summary:  # ranks > 0 of a torchrun run
+        return
     keys = ("first_loss", "last_loss", "final_eval_loss", "probe_loss_delta", "padding_fraction")
     print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if k in summary))
     print(f"run directory: {cfg.output_dir} (report.html, metrics.jsonl, final/)")

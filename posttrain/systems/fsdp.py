@@ -51,10 +51,27 @@ def init_from_env() -> DistInfo:
     """torchrun sets WORLD_SIZE / RANK / MASTER_ADDR; gloo on CPU, NCCL on GPUs. World size 1: no group."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():  # one GPU per rank: "cuda" means this rank's
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]), world_size=world)
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size())
     return DistInfo()
+
+
+def _attempt_store():
+    """torchrun's key-value store, with a prefix per restart attempt: after `--max-restarts` restarts the
+    workers, the previous attempt's keys (the old ranks' addresses) are still in the agent's store, and a
+    new rank that reads one connects to a dead or reused port (seen: refused connections, hangs)."""
+    from datetime import timedelta
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # the agent hosts the store (torchrun's default rendezvous), else rank 0 does (static rendezvous, Ray)
+    host = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and os.environ["RANK"] == "0"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=host, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"posttrain/attempt-{attempt}", store)
 
 
 class Sharded(torch.nn.Module):
@@ -99,12 +116,28 @@ def global_sum(values: list[float], info: DistInfo) -> list[float]:
     return t.tolist()
 
 
+def barrier(info: DistInfo) -> None:
+    if info.world > 1:
+        dist.barrier()
+
+
 def full_state(model) -> dict[str, torch.Tensor]:
     """name -> full tensor (DTensor shards gathered; a collective: every rank must call it)."""
     out = {}
     for n, p in unwrap(model).named_parameters():
         out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
     return out
+
+
+def save_full(model, tok, path: Path, info: DistInfo) -> None:
+    """final/ of a sharded run: the full weights gathered (a collective), written by rank 0 so that
+    AutoModelForCausalLM.from_pretrained loads them."""
+    inner = unwrap(model.model if isinstance(model, Sharded) else model)
+    full = full_state(inner)
+    if info.main:
+        path.mkdir(parents=True, exist_ok=True)
+        inner.save_pretrained(path, state_dict=full)
+        tok.save_pretrained(path)
 
 
 # ---------------------------------------------------------------- SFT and RL steps
@@ -123,6 +156,20 @@ def sft_backward(step_model, local: list[tuple[object, float]], n_global: int, c
         (loss * step_model.loss_scale).backward()
         total += loss.detach()
     return total
+
+
+@torch.no_grad()
+def mean_nll(step_model, batches: list, info: DistInfo, chunk: int = 1024, mixed_precision: str = "none") -> float:
+    """Mean negative log-likelihood per loss token over the global list of batches (every rank runs the
+    same number of forwards; the sums are reduced once)."""
+    from posttrain.models.forward import token_logprobs
+
+    total = count = 0.0
+    for b, w in rank_share(batches, info):
+        logp, _ = step_model(token_logprobs, b, chunk=chunk, mixed_precision=mixed_precision)
+        total, count = total - w * float(logp.sum()), count + w * logp.numel()
+    total, count = global_sum([total, count], info)
+    return total / max(count, 1.0)
 
 
 def sft_step(step_model, optimizer, batches: list, info: DistInfo, max_grad_norm: float = 1.0, chunk: int = 1024,

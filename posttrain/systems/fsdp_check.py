@@ -114,10 +114,17 @@ def resumed(kind: str, ckpt: Path) -> dict:
     return _run(kind, DistInfo(), model, optimizer, load_tokenizer("tiny-random"), range(STEPS - 1, STEPS))
 
 
+def worst(a: dict, b: dict) -> float:
+    """Largest |a − b| / (ATOL + RTOL |b|) over two state dicts (≤ 1: within the fp32 tolerances)."""
+    return max(float(((a[k] - b[k]).abs() / (ATOL + RTOL * b[k].abs())).max()) for k in b)
+
+
+def within_tolerances(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and worst(a, b) <= 1
+
+
 def differences(dist_res: dict, ref: dict, res: dict) -> dict:
     """Largest |Δ| of the losses and the final weights: W ranks vs 1 rank, and resumed-at-1 vs W ranks."""
-    def worst(a: dict, b: dict) -> float:
-        return max(float(((a[k] - b[k]).abs() / (ATOL + RTOL * b[k].abs())).max()) for k in b)
 
     return {"loss_vs_1_rank": max(abs(x - y) for x, y in zip(dist_res["losses"], ref["losses"])),
             # AdamW is invariant to the gradient's scale: the norm is what shows a step off by W

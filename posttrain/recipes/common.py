@@ -121,6 +121,8 @@ def optimizer_step(model, optimizer, max_grad_norm: float, scheduler=None) -> to
     one is given, zero the gradients. -> the norm before clipping."""
     max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+    if hasattr(norm, "full_tensor"):  # sharded parameters (FSDP2): the global norm
+        norm = norm.full_tensor()
     optimizer.step()
     if scheduler is not None:
         scheduler.step()

@@ -18,6 +18,11 @@ Per optimizer step (`dpo_step`; the phase names are the timer names):
     5. log        rewards/chosen|rejected|margins|accuracies, logps/*, kl (implicit KL estimate),
                   logratio/*; at eval steps the held-out preference accuracy and the length probe;
                   alarms: likelihood displacement, length growth (monitor/preference_alarms.py)
+
+Under `torchrun --nproc-per-node W -m posttrain dpo …` the policy is sharded with FSDP2
+(posttrain/systems/fsdp.py): each rank runs its share of the step's micro-batches (Σ loss / pairs of the
+whole step, so W ranks give one process's update), the no-grad passes (reference, held-out evaluation,
+KTO's z0) run on every rank alike, and checkpoints are distributed (DCP) and resume at any world size.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimize
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
+from posttrain.systems import fsdp
+from posttrain.systems.faults import maybe_fail
 
 FILLED_BY_RECIPE = ("chosen_lengths", "rejected_lengths", "kl")  # loss arguments the recipe passes itself
 
@@ -120,6 +127,7 @@ class DPORun:
     metrics: object = None
     measured: Measured = field(default_factory=Measured)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
+    info: fsdp.DistInfo = field(default_factory=fsdp.DistInfo)
 
     @property
     def unpaired(self) -> bool:
@@ -145,6 +153,19 @@ class Meter:
 
     def result(self) -> dict:
         return {k: self.sums[k] / self.weights[k] for k in self.sums}
+
+    def reduce(self, info: fsdp.DistInfo) -> None:
+        """Sums and weights over ranks (a rank that ran only padding has no keys: the union is gathered)."""
+        if info.world == 1:
+            return
+        import torch.distributed as dist
+
+        names: list = [None] * info.world
+        dist.all_gather_object(names, sorted(self.sums))
+        keys = sorted(set().union(*names))
+        totals = fsdp.global_sum([self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys], info)
+        self.sums = dict(zip(keys, totals[: len(keys)]))
+        self.weights = dict(zip(keys, totals[len(keys):]))
 
 
 def preference_loss(run: DPORun, logps, lengths, split: str, ids: list[int], examples: list[TokenizedPair],
@@ -215,7 +236,8 @@ def prepare_reference(run: DPORun) -> None:
                         "fine-tuning the reference (the initial weights) is gone: resume with the same data and max_steps")
     run.ref.fill(run.model, entries, run.tok.pad_token_id, cfg.micro_batch_tokens, cfg.mixed_precision,
                  cfg.pad_to_multiple_of)
-    run.ref.save(path, fp)
+    if run.life.main:
+        run.ref.save(path, fp)
 
 
 @torch.no_grad()
@@ -231,7 +253,7 @@ def kto_reference_point(run: DPORun, ids: list[int]) -> float:
     run.model.eval()
     for batch, idx in micro_batches(groups, run.tok.pad_token_id, run.cfg.micro_batch_tokens,
                                     run.cfg.pad_to_multiple_of, run.device):
-        logps = sequence_logps(run.model, batch, run.cfg.mixed_precision)
+        logps = fsdp.apply(run.model, sequence_logps, batch, run.cfg.mixed_precision)
         total += float((logps - run.ref.get([keys[j] for j in idx], logps.device)).sum())
     run.model.train()
     return max(0.0, total / len(pairs))
@@ -242,23 +264,30 @@ def kto_reference_point(run: DPORun, ids: list[int]) -> float:
 
 def accumulate(run: DPORun, ids: list[int], z0: float | None) -> tuple[float, dict, int, int]:
     """Backward of Σ_examples loss / n over the step's micro-batches -> (loss, metrics, tokens computed,
-    sequence tokens: each sequence with its own prompt, what the planner counts)."""
+    sequence tokens: each sequence with its own prompt, what the planner counts). Sharded: this rank's
+    share of the micro-batches (weight 0: padding that keeps the ranks' forwards in step), sums reduced."""
     cfg = run.cfg
     examples = [run.train[i] for i in ids]
     meter, total, computed, seq_tokens = Meter(), 0.0, 0, 0
-    for batch, idx in micro_batches([(e.prompt_ids, e.continuations) for e in examples], run.tok.pad_token_id,
-                                    cfg.micro_batch_tokens, cfg.pad_to_multiple_of, run.device):
-        logps = sequence_logps(run.model, batch, cfg.mixed_precision)  # (S,)
+    scale = getattr(run.model, "loss_scale", 1.0)  # FSDP averages gradients over ranks: W x makes it a sum
+    mbs = list(micro_batches([(e.prompt_ids, e.continuations) for e in examples], run.tok.pad_token_id,
+                             cfg.micro_batch_tokens, cfg.pad_to_multiple_of, run.device))
+    for (batch, idx), w in fsdp.rank_share(mbs, run.info):
+        logps = fsdp.apply(run.model, sequence_logps, batch, cfg.mixed_precision)  # (S,)
         loss, m = preference_loss(run, logps, batch.loss_tokens, "train", [ids[j] for j in idx],
                                   [examples[j] for j in idx], z0)
-        loss = loss.sum() / len(ids)
-        loss.backward()
+        loss = loss.sum() / len(ids) * w
+        (loss * scale if scale != 1.0 else loss).backward()
+        if not w:
+            continue
         total += float(loss.detach())
         meter.add(m, len(idx))
         computed += batch.num_tokens
         seq_tokens += sum(len(examples[j].prompt_ids) * len(examples[j].continuations) + sum(map(len, examples[j].continuations))
                           for j in idx)
-    return total, meter.result(), computed, seq_tokens
+    meter.reduce(run.info)
+    total, computed, seq_tokens = fsdp.global_sum([total, computed, seq_tokens], run.info)
+    return total, meter.result(), int(computed), int(seq_tokens)
 
 
 def dpo_step(run: DPORun, step: int) -> dict:
@@ -311,7 +340,7 @@ def evaluate(run: DPORun) -> dict:
     run.model.eval()
     groups = [(e.prompt_ids, e.continuations) for e in run.evals]
     for batch, idx in micro_batches(groups, run.tok.pad_token_id, cfg.micro_batch_tokens, cfg.pad_to_multiple_of, run.device):
-        logps = sequence_logps(run.model, batch, cfg.mixed_precision)
+        logps = fsdp.apply(run.model, sequence_logps, batch, cfg.mixed_precision)
         loss, m = preference_loss(run, logps, batch.loss_tokens, "eval", idx, [run.evals[j] for j in idx], 0.0)
         meter.add({"loss": loss.mean(), **m}, len(idx))
     run.model.train()
@@ -340,7 +369,8 @@ def measure_length(run: DPORun) -> dict:
 def setup(cfg: DPOConfig) -> DPORun:
     """Data checked and tokenized before any model loads; then the model, the reference cache, the probe."""
     device = resolve_device(cfg.device)
-    life = RunLifecycle(cfg)
+    info = init_ranks(cfg)
+    life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
     unpaired = not preference_losses.meta(cfg.loss).get("paired", True)
@@ -351,12 +381,14 @@ def setup(cfg: DPOConfig) -> DPORun:
     if cfg.lora.enabled:
         model = apply_lora(model, cfg.lora)
     model.train()
+    inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     loss_args = dict(cfg.loss_args) | ({"beta": cfg.beta} if cfg.beta is not None else {})
     uses_ref = preference_losses.meta(cfg.loss).get("reference", True)
     run = DPORun(cfg, life, tok, train, evals, model, optimizer, scheduler, EpochSampler(len(train), cfg.seed),
                  preference_losses.get(cfg.loss), loss_args, ReferenceCache() if uses_ref else None, device,
-                 alarms=PreferenceAlarms(cfg.displacement_patience, cfg.length_probe.alarm_ratio), measured=measured)
+                 alarms=PreferenceAlarms(cfg.displacement_patience, cfg.length_probe.alarm_ratio), measured=measured,
+                 info=info)
     state = life.restore(model, optimizer, scheduler)
     if state:
         run.sampler.load(state["sampler"])
@@ -368,7 +400,8 @@ def setup(cfg: DPOConfig) -> DPORun:
     if not state:
         run.initial_eval = evaluate(run)
     setup_probe(run, state)
-    write_plan(life.out, plan_run(cfg, model, train))
+    if life.main:
+        write_plan(life.out, plan_run(cfg, inner, train))
     run.metrics = life.metrics()
     return run
 
@@ -399,6 +432,8 @@ def finish(run: DPORun) -> dict:
     if cfg.max_steps > life.start:  # the final checkpoint keeps resume possible
         life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True)
     life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
+    if not life.main:
+        return {}
     plan = json.loads(write_measured(life.out, run.measured).read_text())
     history = life.history()
     evals = [r for r in history if "eval/accuracy" in r or "eval/label_accuracy" in r]
@@ -429,14 +464,26 @@ def plan_run(cfg: DPOConfig, model, train: list[TokenizedPair]) -> dict:
                    lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0, precompute_ref=True)
 
 
+def init_ranks(cfg: DPOConfig) -> fsdp.DistInfo:
+    """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
+    info = fsdp.init_from_env()
+    if info.world > 1:
+        for on, what in ((cfg.lora.enabled, "lora"), (cfg.length_probe.prompts > 0, "the length probe (length_probe.prompts=0)")):
+            if on:
+                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world})")
+    return info
+
+
 def train(cfg: DPOConfig) -> dict:
+    """Run the preference optimisation; returns the summary (rank 0; other ranks of a sharded run: {})."""
     run = setup(cfg)
-    bar = progress(cfg.max_steps, run.life.start, f"dpo/{cfg.loss}", cfg.progress)
+    bar = progress(cfg.max_steps, run.life.start, f"dpo/{cfg.loss}", cfg.progress and run.life.main)
     for step in range(run.life.start, cfg.max_steps):
         logged = dpo_step(run, step)
         bar.update(1)
         bar.set_postfix(loss=f"{logged['loss']:.4f}")
         run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run))
+        maybe_fail(run.info.rank, step + 1, run.life.out)
     bar.close()
     return finish(run)
 
@@ -444,6 +491,8 @@ def train(cfg: DPOConfig) -> dict:
 def main(argv: list[str]) -> None:
     cfg = parse_args(DPOConfig, argv, prog="posttrain dpo")
     summary = train(cfg)
+    if not summary:  # ranks > 0 of a torchrun run
+        return
     acc = [(k, summary[k]) for k in ("eval/accuracy_before", "eval/accuracy_after") if k in summary]
     print(f"loss {summary['first_loss']:.4f} -> {summary['last_loss']:.4f}"
           + "".join(f"; {k} {v:.3f}" for k, v in acc) + f"; run directory: {cfg.output_dir}")

@@ -26,6 +26,7 @@ import torch
 from posttrain.data.prefix_batch import Group, PrefixBatch, micro_batches
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.systems.fsdp import apply
 
 Key = tuple  # e.g. ("train", example index, continuation index) or ("kl", prompt index, completion index)
 
@@ -81,7 +82,7 @@ class ReferenceCache:
         try:
             with reference_mode(model):
                 for batch, idx in micro_batches([g for _, g in todo], pad_id, token_budget, pad_to_multiple_of, device):
-                    logps = sequence_logps(model, batch, mixed_precision).tolist()
+                    logps = apply(model, sequence_logps, batch, mixed_precision).tolist()
                     keys = [k for j in idx for k in todo[j][0]]
                     for k, v in zip(keys, logps, strict=True):
                         self.values[k] = v

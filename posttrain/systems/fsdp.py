@@ -87,6 +87,14 @@ class Sharded(torch.nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
+def apply(model, fn, *args, **kwargs):
+    """fn(model, *args): inside the FSDP root's forward for a Sharded model (the root's parameters gathered),
+    a plain call otherwise."""
+    if isinstance(model, Sharded):
+        return model(fn, *args, **kwargs)
+    return fn(model, *args, **kwargs)
+
+
 def shard_model(model, reshard_after_forward: bool = True) -> Sharded:
     from torch.distributed.fsdp import fully_shard
 
@@ -207,13 +215,9 @@ def rl_step(step_model, optimizer, batches: list, info: DistInfo, loss_fn, cfg, 
 
 
 def clip_and_step(model, optimizer, max_grad_norm: float):
-    max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm
+    from posttrain.recipes.common import optimizer_step
+
+    return optimizer_step(model, optimizer, max_grad_norm)
 
 
 # ---------------------------------------------------------------- distributed checkpoints

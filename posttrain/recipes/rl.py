@@ -13,7 +13,8 @@ One step (`rl_step`) reads top to bottom; the phase names are the timer names:
     5. log        one metrics.jsonl row (reward, KL, lengths, clip fractions, entropy, consistency, time)
 
 Only generated tokens carry loss. The phases live in rl_phases.py; the lifecycle (resume,
-checkpoints, final model, report) is shared with SFT (lifecycle.py).
+checkpoints, final model, report) is shared with SFT (lifecycle.py). Under `torchrun --nproc-per-node W`
+the policy is FSDP2-sharded and the ranks share generation and the update (posttrain/systems/fsdp_rl.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from posttrain.rewards.registry import compose
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.trajectory import Trajectory, make_batches
+from posttrain.systems import fsdp, fsdp_rl
+from posttrain.systems.faults import maybe_fail
 from posttrain.systems.settings import SystemsSettings
 
 
@@ -196,6 +199,9 @@ class RLRun:
     eval_hook: EvalHook | None = None
     agent: object = None  # agentic.collect.AgentRun when cfg.env is set
     rollout: object = None  # async RL: the trainer side of the rollout queue (systems/async_rl.py)
+    info: fsdp.DistInfo = field(default_factory=fsdp.DistInfo)  # torchrun's ranks (world size 1 without it)
+    inner: torch.nn.Module | None = None  # sharded runs: the HF model inside the FSDP root `model`
+    generator: torch.nn.Module | None = None  # sharded runs: the rollout engine's full, plain copy
 
 
 # ---------------------------------------------------------------- one step
@@ -218,7 +224,8 @@ def rl_step(run: RLRun, step: int) -> dict:
     # 3. reference (β > 0 only); PPO: old log-probs, values, token rewards, GAE
     if run.ref is not None:
         with timer("reference"):
-            ph.reference_logps(run.ref, batches, cfg)
+            mine = fsdp_rl.my_batches(batches, cfg.minibatches, run.info) if run.info.world > 1 else batches
+            ph.reference_logps(run.ref, mine, cfg)
     if run.critic is not None:
         with timer("critic"):
             adv_metrics = critic_phase(run, batches)
@@ -245,12 +252,17 @@ def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
 
     def produce(rows, first: int, rounds: int) -> list[Trajectory]:
         rows_by_group.update({first + j: r for j, r in enumerate(rows)})
-        with run.timer("generate"):
-            new = ph.generate(run.engine, run.tok, rows, first, cfg, ph.batch_seed(cfg.seed, step, rounds), version=step)
-        with run.timer("reward"):
-            ph.score(run.reward_fn, rows_by_group, new)
+        seed = ph.batch_seed(cfg.seed, step, rounds)
+        if run.info.world > 1:  # each rank its share of the rows, then every rank the whole batch
+            new, metrics = fsdp_rl.generate_share(run, rows, first, seed, step, rows_by_group)
+        else:
+            with run.timer("generate"):
+                new = ph.generate(run.engine, run.tok, rows, first, cfg, seed, version=step)
+            with run.timer("reward"):
+                ph.score(run.reward_fn, rows_by_group, new)
+            metrics = run.reward_fn.last_metrics
         if rounds == 0:
-            reward_metrics.update(run.reward_fn.last_metrics)
+            reward_metrics.update(metrics)
         return new
 
     kept, dynamic = ph.refill_groups(run, produce)
@@ -312,9 +324,9 @@ def update(run: RLRun, batches, train_policy: bool = True) -> dict:
         for mb in minibatches:
             norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
                      "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
-            for b in mb:
+            for b, w in fsdp.rank_share(mb, run.info):  # one process: every micro-batch, weight 1
                 if train_policy:
-                    policy_backward(run, b, epoch, beta, norms, stats)
+                    policy_backward(run, b, epoch, beta, norms, stats, w)
                 if run.critic is not None:
                     loss, m = ph.critic_loss(run.critic, b, cfg.mixed_precision, cfg.vf_clip, norms["tokens"])
                     loss.backward()
@@ -325,30 +337,42 @@ def update(run: RLRun, batches, train_policy: bool = True) -> dict:
                 stats["grad_norm"] = norm if stats["grad_norm"] is None else stats["grad_norm"]
             if run.critic is not None:
                 optimizer_step(run.critic, run.critic_opt, cfg.optim.max_grad_norm)
+    fsdp_rl.reduce_stats(stats, run.info)
     if train_policy:
         run.scheduler.step()
-        run.engine.sync_weights()  # the engine shares the weights: its packed copies and cached KV are stale now
+        sync_engine(run)
     if run.critic_sched is not None:
         run.critic_sched.step()
     return update_metrics(run, stats, lr, beta_used, batches)
 
 
-def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: dict) -> None:
+def sync_engine(run: RLRun) -> None:
+    """The engine shares the weights (one process) or holds a copy (sharded: gathered into it, a collective);
+    either way its packed copies and cached KV are stale after an update."""
+    if run.generator is not None:
+        fsdp_rl.sync_generator(run)
+    run.engine.sync_weights()
+
+
+def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: dict, weight: float = 1.0) -> None:
+    """`weight` 0: a padding copy that keeps a sharded run's ranks in step (its loss counts 0, no statistics)."""
     cfg = run.cfg
     first = epoch == 0
-    logp, entropy = ph.policy_logps(run.model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True,
-                                    with_entropy=first)
-    if first:
-        if b.old_logp is None:  # on-policy: the old policy is the current one
-            b.old_logp = logp.detach()
+    logp, entropy = fsdp.apply(run.model, ph.policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision,
+                               truncated=True, with_entropy=first)
+    if first and b.old_logp is None:  # on-policy: the old policy is the current one
+        b.old_logp = logp.detach()
+    if first and weight:
         c = ph.consistency(b, logp.detach())
         cons = stats["cons"]
         stats["cons"] = {k: max(cons[k], c[k]) if k == "dlogp_max" else cons[k] + c[k] for k in cons}
         stats["entropy"] += float((entropy * b.mask).sum())
     loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, beta, cfg.kl_estimator, run.tis_cap, norms)
-    loss.backward()
-    stats["loss"] += float(loss.detach()) / cfg.epochs
-    stats["losses"].add(m, float(b.loss_mask.sum()))
+    scale = getattr(run.model, "loss_scale", 1.0)  # sharded: FSDP averages gradients over ranks, W x is a sum
+    (loss * (weight * scale) if run.info.world > 1 else loss).backward()
+    if weight:
+        stats["loss"] += float(loss.detach()) / cfg.epochs
+        stats["losses"].add(m, float(b.loss_mask.sum()))
 
 
 def update_metrics(run: RLRun, stats: dict, lr: float, beta: float, batches) -> dict:
@@ -394,7 +418,7 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
                                               "reward": t.reward} for t in trajs])
     row.update(run.alarms.metrics(fired))
     logged = run.metrics.write(step + 1, row)
-    with (run.life.out / "samples.jsonl").open("a") as f:
+    with (run.life.out / "samples.jsonl").open("a") if run.life.main else open("/dev/null", "w") as f:
         for t in trajs[: cfg.samples_per_log]:
             f.write(json.dumps({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
                                 "reward": t.reward, "finish_reason": t.finish_reason}) + "\n")
@@ -422,7 +446,8 @@ def setup(cfg: RLConfig) -> RLRun:
     from posttrain.rollout.engine import Engine
 
     preset = rl_preset(cfg.algo)
-    life = RunLifecycle(cfg)
+    info = init_ranks(cfg, preset)
+    life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     tok = load_tokenizer(cfg.model)
@@ -442,12 +467,16 @@ def setup(cfg: RLConfig) -> RLRun:
     engine_cfg = cfg.engine.model_copy(update={
         k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
         if k not in cfg.engine.model_fields_set})
+    inner = generator = None
+    if info.world > 1:  # the engine samples from a full copy; the trainer's weights are sharded
+        inner, generator = model, load_reference(model)
+        model = fsdp.shard_model(model)
     if cfg.systems.pipelined:  # the rollout worker samples on its own copy; this one serves evaluation only
         from posttrain.systems.async_rl import TrainerEngine
 
         engine = TrainerEngine(model, tok, engine_cfg)
     else:
-        engine = Engine(model, tok, engine_cfg)
+        engine = Engine(generator if generator is not None else model, tok, engine_cfg)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
     run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler,
@@ -455,7 +484,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
                 preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling,
                 default_tis_cap(cfg), device, measured=measured, alarms=AlarmMonitor(cfg.alarms), eval_hook=eval_hook,
-                agent=agent)
+                agent=agent, info=info, inner=inner, generator=generator)
     if uses_critic(preset):
         build_critic(run)
     state = life.restore(model, optimizer, scheduler, extras=critic_extras(run))
@@ -465,12 +494,13 @@ def setup(cfg: RLConfig) -> RLRun:
         run.alarms.load(state.get("alarms", {}))
         if run.critic_sched is not None:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
-        engine.sync_weights()
+        sync_engine(run)
     if cfg.systems.pipelined:
         from posttrain.systems.async_rl import attach
 
         attach(run, state)
-    write_plan(life.out, plan_run(cfg, model, beta, tok, rows, agent))
+    if life.main:
+        write_plan(life.out, plan_run(cfg, inner if inner is not None else model, beta, tok, rows, agent))
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
     if agent is not None:
@@ -495,6 +525,19 @@ def critic_extras(run: RLRun) -> dict | None:
     return {"value": (run.critic, run.critic_opt)} if run.critic is not None else None
 
 
+def init_ranks(cfg: RLConfig, preset) -> fsdp.DistInfo:
+    """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
+    info = fsdp.init_from_env()
+    if info.world > 1:
+        unsupported = ((uses_critic(preset), f"algo={cfg.algo} (a value model)"), (cfg.algo == "online_dpo", "algo=online_dpo"),
+                       (bool(cfg.env), "env= (multi-turn episodes)"), (cfg.systems.pipelined, "async_rl / cluster=ray"))
+        for on, what in unsupported:
+            if on:
+                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world}); "
+                                "the GRPO family is")
+    return info
+
+
 def train(cfg: RLConfig) -> dict:
     return run_steps(setup(cfg))
 
@@ -503,7 +546,7 @@ def run_steps(run: RLRun, on_step=None) -> dict:
     """Steps life.start .. max_steps (checkpoints, alarm stops, the rollout producer closed), then `finish`.
     `on_step(steps_done, row)` runs after each step (the quickstart prints its progress line there)."""
     cfg = run.cfg
-    bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress)
+    bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress and run.life.main)
     try:
         for step in range(run.life.start, cfg.max_steps):
             try:
@@ -517,6 +560,7 @@ def run_steps(run: RLRun, on_step=None) -> dict:
             bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
             run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run),
                                 extras=critic_extras(run))
+            maybe_fail(run.info.rank, step + 1, run.life.out)
             if on_step is not None:
                 on_step(step + 1, logged)
     finally:
@@ -543,6 +587,8 @@ def finish(run: RLRun) -> dict:
         life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
                         extras=critic_extras(run))
     final = life.save_final(run.model, run.tok)
+    if not life.main:
+        return {}
     if run.critic is not None:
         run.critic.save_pretrained(final / "value")
     plan = json.loads(write_measured(life.out, run.measured).read_text())
@@ -621,4 +667,6 @@ def main(argv: list[str]) -> None:
         summary = train_on_ray(cfg)
     else:
         summary = train(cfg)
+    if not summary:  # ranks > 0 of a torchrun run
+        return
     print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}; run directory: {cfg.output_dir}")

@@ -188,6 +188,17 @@ class TokenMeans:
             else:
                 self.sums[k] = self.sums.get(k, 0.0) + v * tokens
 
+    def merge(self, sums: dict, weight: float) -> None:
+        """Fold in another TokenMeans' sums and weight (another rank's)."""
+        self.weight += weight
+        for k, v in sums.items():
+            if k.endswith("/min"):
+                self.sums[k] = min(self.sums.get(k, math.inf), v)
+            elif k.endswith("/max"):
+                self.sums[k] = max(self.sums.get(k, -math.inf), v)
+            else:
+                self.sums[k] = self.sums.get(k, 0.0) + v
+
     def result(self) -> dict:
         w = max(self.weight, 1.0)
         return {k: (v if k.endswith(("/min", "/max")) else v / w) for k, v in self.sums.items()}

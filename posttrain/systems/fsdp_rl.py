@@ -1,0 +1,90 @@
+"""Online RL (the GRPO family) under `torchrun --nproc-per-node W -m posttrain rl …`, FSDP2-sharded.
+
+Per step, on every rank:
+    generate   rank r samples rows r, r + W, … of the round with a full, plain copy of the policy (the
+               rollout engine's weights); row i samples with seed + i, so the samples are those one process
+               would draw; each rank scores its own groups, then the scored groups of all ranks are gathered
+               (every rank holds the whole batch, in group order: advantages and normalisers need no reduction)
+    update     each minibatch's micro-batches are shared among the ranks (posttrain/systems/fsdp.py:
+               rank_share, weight-0 padding); the loss statistics are gathered and merged once per update
+    sync       the sharded weights are gathered into the rollout copy (a collective), the engine re-packs them
+
+so the run follows the single-process run on the same seed, up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from posttrain.recipes import rl_phases as ph
+from posttrain.systems import fsdp
+
+
+def gather_objects(obj, info: fsdp.DistInfo) -> list:
+    """[obj of rank 0, obj of rank 1, …] on every rank (pickled; small things only)."""
+    if info.world == 1:
+        return [obj]
+    out: list = [None] * info.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def generate_share(run, rows: list, first: int, seed: int, version: int, rows_by_group: dict) -> tuple[list, dict]:
+    """This rank's rows generated and scored; -> (every rank's trajectories in group order, reward metrics
+    averaged over the ranks' samples)."""
+    info = run.info
+    mine = list(range(info.rank, len(rows), info.world))
+    new = []
+    with run.timer("generate"):
+        requests = ph.requests_for(run.tok, rows, run.cfg, seed)
+        results = run.engine.generate([requests[i] for i in mine]) if mine else []
+        for i, res in zip(mine, results):
+            new += ph.trajectories(res, rows[i], run.tok, first + i, version)
+    metrics: dict = {}
+    with run.timer("reward"):
+        if new:
+            ph.score(run.reward_fn, rows_by_group, new)
+            metrics = {k: v for k, v in run.reward_fn.last_metrics.items() if isinstance(v, (int, float))}
+    with run.timer("gather"):
+        parts = gather_objects((new, metrics), info)
+    trajs = sorted((t for part, _ in parts for t in part), key=lambda t: t.group)  # stable: sample order kept
+    counts = {k: sum(len(p) for p, m in parts if k in m) for _, m in parts for k in m}
+    merged = {k: sum(m[k] * len(p) for p, m in parts if k in m) / max(counts[k], 1) for k in counts}
+    return trajs, merged
+
+
+def my_batches(batches: list, minibatches: int, info: fsdp.DistInfo) -> list:
+    """The micro-batches this rank computes in `update` (its share of each minibatch, padding included)."""
+    groups = [batches[i::minibatches] for i in range(min(minibatches, len(batches)))]
+    seen, out = set(), []
+    for mb in groups:
+        for b, _ in fsdp.rank_share(mb, info):
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+    return out
+
+
+def reduce_stats(stats: dict, info: fsdp.DistInfo) -> None:
+    """Merge the ranks' loss statistics in place: token-weighted means, extremes, sums, the max |Δ log p|."""
+    if info.world == 1:
+        return
+    mine = {"sums": stats["losses"].sums, "weight": stats["losses"].weight, "loss": stats["loss"],
+            "entropy": stats["entropy"], "cons": stats["cons"]}
+    parts = gather_objects(mine, info)
+    means = ph.TokenMeans()
+    for p in parts:
+        means.merge(p["sums"], p["weight"])
+    stats["losses"] = means
+    stats["loss"] = sum(p["loss"] for p in parts)
+    stats["entropy"] = sum(p["entropy"] for p in parts)
+    stats["cons"] = {k: (max if k == "dlogp_max" else sum)(p["cons"][k] for p in parts) for k in stats["cons"]}
+
+
+@torch.no_grad()
+def sync_generator(run) -> None:
+    """The sharded policy's full weights into the rollout engine's plain copy (every rank calls it)."""
+    full = fsdp.full_state(run.inner)
+    for name, p in run.generator.named_parameters():
+        p.copy_(full[name])

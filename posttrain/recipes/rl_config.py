@@ -1,0 +1,131 @@
+"""`posttrain rl`'s settings: every option with its default and help, and the checks that refuse a bad
+combination before anything loads (the algorithm presets are in posttrain/algos/presets.py)."""
+
+from __future__ import annotations
+
+import inspect
+
+from pydantic import Field, model_validator
+
+from posttrain.agentic.settings import AgentSettings
+from posttrain.algos import advantages as adv_registry
+from posttrain.algos import policy_losses, preference_losses
+from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
+from posttrain.config import CommonConfig
+from posttrain.eval.hook import EvalSettings
+from posttrain.monitor.alarms import AlarmSettings
+from posttrain.recipes.common import OptimSettings
+from posttrain.rollout.engine import EngineConfig
+from posttrain.rollout.settings import SamplingSettings
+from posttrain.systems.settings import SystemsSettings
+
+
+class RLConfig(CommonConfig):
+    """posttrain rl: online RL with a group baseline (GRPO family) and verifiable or learned rewards."""
+
+    algo: str = Field("grpo", description=f"one of {', '.join(RL_PRESETS)} (presets: posttrain/algos/presets.py)")
+    reward: str = Field("math", description="reward or weighted composition: 'math:1.0,format:0.2', 'my.py:fn:0.1'")
+    reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {overlong: {max_len: 512, cache_len: 128}}")
+    data: str = Field("arithmetic", description="prompt-only dataset (`prompt` + reward columns such as `answer`)")
+    env: str = Field("", description="multi-turn environment (calculator, python_code, search_qa or path/to/file.py:Class); its reward replaces `reward` (docs/agentic.md)")
+    env_args: dict = Field(default_factory=dict, description="keyword arguments of the environment class")
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="multi-turn rollout limits and tool format (with env)")
+    output_dir: str = Field("runs/rl", description="run directory")
+    max_steps: int = Field(20, ge=0, description="optimizer steps")
+    dtype: str = Field("float32", description="weights dtype (the engine samples in it)")
+    prompts_per_step: int = Field(8, ge=1, description="prompts per step (B)")
+    group_size: int = Field(8, ge=2, description="samples per prompt (G)")
+    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(kv_cache_mb=512),
+                                 description="built-in engine (max_num_seqs defaults to B × G)")
+    beta: float | None = Field(None, ge=0, description="KL coefficient; None = the algo's preset; 0 loads no reference")
+    kl_estimator: str = Field("k3", pattern="^(k1|k2|k3)$", description="KL in the loss: k3 (GRPO) | k2; k1 has zero expected gradient there")
+    kl_target: float | None = Field(None, gt=0, description="adaptive β toward this KL per sequence (nats; Ziegler et al. 2019); None = fixed β")
+    kl_horizon: int = Field(10000, ge=1, description="adaptive KL controller horizon (samples)")
+    advantage: str | None = Field(None, description="override the algo's advantage estimator (registry name)")
+    loss: str | None = Field(None, description="override the algo's policy loss (registry name)")
+    loss_agg: str | None = Field(None, description="token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (default: the algo's)")
+    loss_args: dict = Field(default_factory=dict, description="extra keyword arguments of the policy loss, e.g. {eps_high: 0.28}")
+    tis_cap: float | None = Field(None, ge=0, description="truncated importance sampling cap on π_old/μ; None = 2.0 when trainer and sampler differ in precision, else off; 0 = off")
+    dynamic_sampling: bool | None = Field(None, description="drop groups whose rewards are all equal and refill (default: the algo's)")
+    max_resample: int = Field(3, ge=0, description="extra generation rounds to refill after dynamic sampling")
+    mask_truncated: bool = Field(False, description="leave samples cut at max_new_tokens out of the loss")
+    ppo_epochs: int | None = Field(None, ge=1, description="passes over each batch of samples (None = the algo's preset: 2 for ppo, else 1 = strictly on-policy)")
+    ppo_minibatches: int | None = Field(None, ge=1, description="optimizer steps per pass, the batch split in whole micro-batches (None = the preset: 2 for ppo, else 1)")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: GAE discount γ")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE λ")
+    value_model: str = Field("", description="PPO: '' = a copy of the policy with a zero scalar head; or a reward model folder (AutoModelForSequenceClassification)")
+    critic_lr: float | None = Field(None, gt=0, description="PPO: value model learning rate (None = 10 × optim.lr)")
+    critic_warmup: int = Field(0, ge=0, description="PPO: first steps train only the value model")
+    vf_clip: float | None = Field(0.2, ge=0, description="PPO: value clipping range around the old values (None = unclipped)")
+    pref_loss: str = Field("dpo", description="online_dpo: preference loss (registry posttrain.algos.preference_losses); `loss=ipo` says the same")
+    pref_args: dict = Field(default_factory=dict, description="online_dpo: arguments of the preference loss, e.g. {beta: 0.1}")
+    ref_update_every: int = Field(0, ge=0, description="online_dpo: copy the policy into the reference every N steps (0 = frozen)")
+    whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the step's tokens")
+    bootstrap_truncated: bool = Field(False, description="PPO: a sample cut at max_new_tokens continues from V after its last token (time-limit view) instead of ending there")
+    micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
+    optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
+    alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation every eval.every steps (docs/eval.md)")
+    systems: SystemsSettings = Field(default_factory=SystemsSettings, description="async RL, Ray placement (docs/scale.md)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
+    samples_per_log: int = Field(2, ge=0, description="completions written to samples.jsonl each step")
+    progress: bool = Field(True, description="show a progress bar")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_names_the_preference_loss(cls, data):
+        """algo=online_dpo: `loss=ipo` names the preference loss (as the issue tracker and TRL users write it)."""
+        if isinstance(data, dict) and data.get("algo") == "online_dpo" and data.get("loss"):
+            data = {**data, "pref_loss": data["loss"], "loss": None}
+        return data
+
+    @model_validator(mode="after")
+    def _check_algorithm(self):
+        preset = rl_preset(self.algo)
+        loss = self.loss or preset.loss
+        accepted = _keyword_args(policy_losses.get(loss))
+        unknown = sorted(set(self.loss_args) - accepted)
+        if unknown:
+            raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{loss}' (it takes {sorted(accepted)})")
+        adv_registry.get(self.advantage or preset.advantage)
+        if self.algo == "online_dpo":
+            accepted = _keyword_args(preference_losses.get(self.pref_loss)) - {
+                "policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
+                "chosen_lengths", "rejected_lengths"}
+            unknown = sorted(set(self.pref_args) - accepted)
+            if unknown:
+                raise ValueError(f"pref_args {unknown} are not arguments of preference loss '{self.pref_loss}' (it takes {sorted(accepted)})")
+        if self.kl_estimator == "k1" and self.resolved_beta > 0 and not uses_critic(preset):
+            raise ValueError("kl_estimator=k1 in the loss has zero expected gradient on-policy (E_π[∇ log π] = 0): "
+                             "use k3 (GRPO) or k2, or beta=0")
+        if self.sampling.temperature <= 0:
+            raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no log-prob to optimise)")
+        if self.env and self.systems.pipelined:
+            raise ValueError("env= (multi-turn episodes) runs synchronously for now: drop async_rl / cluster=ray")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        if self.algo == "online_dpo":
+            return bool(preference_losses.meta(self.pref_loss).get("reference", True))
+        return self.resolved_beta > 0
+
+    @property
+    def epochs(self) -> int:
+        return rl_preset(self.algo).epochs if self.ppo_epochs is None else self.ppo_epochs
+
+    @property
+    def minibatches(self) -> int:
+        return rl_preset(self.algo).minibatches if self.ppo_minibatches is None else self.ppo_minibatches
+
+    @property
+    def resolved_beta(self) -> float:
+        return rl_preset(self.algo).beta if self.beta is None else self.beta
+
+
+def _keyword_args(fn) -> set[str]:
+    skip = {"logp", "old_logp", "advantages", "mask", "behaviour_logp", "tis_cap"}
+    return {n for n, p in inspect.signature(fn).parameters.items()
+            if n not in skip and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}

@@ -60,7 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _close_process_group()
     return int(result or 0)
+
+
+def _close_process_group() -> None:
+    """A torchrun rank ends its process group itself (gloo threads left to interpreter exit can abort)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

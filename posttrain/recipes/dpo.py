@@ -31,6 +31,7 @@ import copy
 import inspect
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -370,6 +371,7 @@ def setup(cfg: DPOConfig) -> DPORun:
     """Data checked and tokenized before any model loads; then the model, the reference cache, the probe."""
     device = resolve_device(cfg.device)
     info = init_ranks(cfg)
+    device = fsdp.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
@@ -387,7 +389,8 @@ def setup(cfg: DPOConfig) -> DPORun:
     uses_ref = preference_losses.meta(cfg.loss).get("reference", True)
     run = DPORun(cfg, life, tok, train, evals, model, optimizer, scheduler, EpochSampler(len(train), cfg.seed),
                  preference_losses.get(cfg.loss), loss_args, ReferenceCache() if uses_ref else None, device,
-                 alarms=PreferenceAlarms(cfg.displacement_patience, cfg.length_probe.alarm_ratio), measured=measured,
+                 alarms=PreferenceAlarms(cfg.displacement_patience, cfg.length_probe.alarm_ratio,
+                                         stream=None if info.main else open(os.devnull, "w")), measured=measured,
                  info=info)
     state = life.restore(model, optimizer, scheduler)
     if state:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -333,7 +335,7 @@ def setup(cfg: RLConfig) -> RLRun:
     info = init_ranks(cfg, preset)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
+    device = fsdp.rank_device(resolve_device(cfg.device), info)
     tok = load_tokenizer(cfg.model)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     agent = None
@@ -550,7 +552,14 @@ def main(argv: list[str]) -> None:
 
         summary = train_on_ray(cfg)
     else:
-        summary = train(cfg)
+        try:
+            summary = train(cfg)
+        except AlarmStop as stop:
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                raise
+            # under torchrun a failed exit restarts every rank (--max-restarts) and resume=true would go on
+            print(f"[rank {os.environ.get('RANK')}] {stop}", file=sys.stderr)
+            return
     if not summary:  # ranks > 0 of a torchrun run
         return
     print(f"reward {summary['first_reward']:.3f} -> {summary['last_reward']:.3f}; run directory: {cfg.output_dir}")

@@ -218,11 +218,13 @@ def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig
             out = fsdp.sft_step(model, optimizer, batches, info, cfg.optim.max_grad_norm, cfg.logit_chunk,
                                 cfg.mixed_precision)
             scheduler.step()
+            synchronize(batches[0].input_ids.device)
         return out["loss"], out["grad_norm"]
     with timer("forward_backward"):
         loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
     with timer("update"):
         grad_norm = optimizer_step(model, optimizer, cfg.optim.max_grad_norm, scheduler)
+        synchronize(batches[0].input_ids.device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
     return loss_sum, grad_norm
 
 
@@ -241,6 +243,7 @@ def train(cfg: SFTConfig) -> dict:
     """Run SFT; returns the summary written to the report (rank 0; other ranks of a sharded run: {})."""
     device = resolve_device(cfg.device)  # refuse an unusable device before any work
     info = init_ranks(cfg)
+    device = fsdp.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     out = life.out
     seed_everything(cfg.seed)
@@ -288,7 +291,6 @@ def train(cfg: SFTConfig) -> dict:
         # 2-4. forward + loss normalised over the whole step, update
         lr = scheduler.get_last_lr()[0]
         loss_sum, grad_norm = sft_update(model, optimizer, scheduler, batches, cfg, info, timer)
-        synchronize(device)  # CUDA runs asynchronously: the step's kernels finish inside its timing
         # 5. log
         n_tok = sum(b.num_tokens for b in batches)
         n_pad = sum(b.num_padding for b in batches)

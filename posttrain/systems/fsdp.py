@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from posttrain.errors import UserError
 from posttrain.models.forward import unwrap
 
 
@@ -53,7 +54,8 @@ def init_from_env() -> DistInfo:
     if world > 1 and not dist.is_initialized():
         if torch.cuda.is_available():  # one GPU per rank: "cuda" means this rank's
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL for CUDA tensors, gloo for the few CPU ones (counts, gathered objects)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=_attempt_store(), rank=int(os.environ["RANK"]), world_size=world)
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), dist.get_world_size())
@@ -72,6 +74,16 @@ def _attempt_store():
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
                           is_master=host, timeout=timedelta(minutes=10))
     return dist.PrefixStore(f"posttrain/attempt-{attempt}", store)
+
+
+def rank_device(device: torch.device, info: DistInfo) -> torch.device:
+    """Under torchrun on GPUs each rank trains on its own: cuda:LOCAL_RANK (the device index is the rank's)."""
+    if info.world == 1:
+        return device
+    if torch.cuda.is_available() and device.type != "cuda":
+        raise UserError(f"device={device}: under torchrun on a machine with GPUs the ranks train on their GPUs "
+                        "(device=auto or cuda)")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if device.type == "cuda" else device
 
 
 class Sharded(torch.nn.Module):
@@ -157,13 +169,13 @@ def sft_backward(step_model, local: list[tuple[object, float]], n_global: int, c
     the step's loss-token count summed over ranks). Returns the share of the loss (detached)."""
     from posttrain.models.forward import token_logprobs
 
-    total = torch.zeros(())
+    total = 0.0
     for b, w in local:
         logp, _ = step_model(token_logprobs, b, chunk=chunk, mixed_precision=mixed_precision)
         loss = -logp.sum() / n_global * w
         (loss * step_model.loss_scale).backward()
-        total += loss.detach()
-    return total
+        total += float(loss.detach())
+    return torch.tensor(total)
 
 
 @torch.no_grad()
@@ -202,13 +214,13 @@ def rl_step(step_model, optimizer, batches: list, info: DistInfo, loss_fn, cfg, 
     n_tok, n_seq = global_sum([sum(float(b.loss_mask.sum()) for b, w in local if w),
                                sum(float(b.valid.sum()) for b, w in local if w)], info)
     norms = {"agg": agg, "tokens": max(int(n_tok), 1), "seqs": max(int(n_seq), 1)}
-    total = torch.zeros(())
+    total = 0.0
     for b, w in local:
         logp, _ = step_model(ph.policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True)
         b.old_logp = logp.detach()
         loss, _ = ph.batch_loss(logp, b, loss_fn, cfg, beta, cfg.kl_estimator, tis_cap, norms)
         (loss * (w * step_model.loss_scale)).backward()
-        total += loss.detach() * w
+        total += float(loss.detach()) * w
     grad_norm = clip_and_step(step_model, optimizer, cfg.optim.max_grad_norm)
     (loss_sum,) = global_sum([float(total)], info)
     return {"loss": loss_sum, "grad_norm": float(grad_norm), "loss_tokens": norms["tokens"]}

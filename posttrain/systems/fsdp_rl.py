@@ -14,6 +14,8 @@ so the run follows the single-process run on the same seed, up to summation orde
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -41,17 +43,37 @@ def generate_share(run, rows: list, first: int, seed: int, version: int, rows_by
         results = run.engine.generate([requests[i] for i in mine]) if mine else []
         for i, res in zip(mine, results):
             new += ph.trajectories(res, rows[i], run.tok, first + i, version)
+    values: dict = {}
     metrics: dict = {}
     with run.timer("reward"):
         if new:
             ph.score(run.reward_fn, rows_by_group, new)
+            values = getattr(run.reward_fn, "last_values", {})
             metrics = {k: v for k, v in run.reward_fn.last_metrics.items() if isinstance(v, (int, float))}
     with run.timer("gather"):
-        parts = gather_objects((new, metrics), info)
-    trajs = sorted((t for part, _ in parts for t in part), key=lambda t: t.group)  # stable: sample order kept
-    counts = {k: sum(len(p) for p, m in parts if k in m) for _, m in parts for k in m}
-    merged = {k: sum(m[k] * len(p) for p, m in parts if k in m) / max(counts[k], 1) for k in counts}
-    return trajs, merged
+        parts = gather_objects((new, values, metrics), info)
+    trajs = sorted((t for part, _, _ in parts for t in part), key=lambda t: t.group)  # stable: sample order kept
+    return trajs, merge_reward_metrics([(v, m) for _, v, m in parts])
+
+
+def merge_reward_metrics(parts: list[tuple[dict, dict]]) -> dict:
+    """One process's `rewards/<name>/…` metrics from the ranks' (per-sample values, metrics): mean and std
+    over every applicable sample, `none` and `errors` summed, `seconds` the slowest rank's; a reward's own
+    counters (math's rejected, timeouts, …) summed when they are integers, else averaged."""
+    out: dict = {}
+    for name in dict.fromkeys(n for values, _ in parts for n in values):
+        vals = [v for values, _ in parts for v in values.get(name, [])]
+        got = [v for v in vals if v is not None]
+        errors = sum(m.get(f"rewards/{name}/errors", 0) for _, m in parts)
+        mean = sum(got) / len(got) if got else float("nan")
+        std = math.sqrt(sum((v - mean) ** 2 for v in got) / len(got)) if got else float("nan")
+        out.update({f"rewards/{name}/mean": mean, f"rewards/{name}/std": std, f"rewards/{name}/errors": errors,
+                    f"rewards/{name}/none": len(vals) - len(got) - errors,
+                    f"rewards/{name}/seconds": max(m.get(f"rewards/{name}/seconds", 0.0) for _, m in parts)})
+    for key in dict.fromkeys(k for _, m in parts for k in m if k not in out):
+        xs = [m[key] for _, m in parts if key in m]
+        out[key] = sum(xs) if all(isinstance(x, int) for x in xs) else sum(xs) / len(xs)
+    return out
 
 
 def my_batches(batches: list, minibatches: int, info: fsdp.DistInfo) -> list:

@@ -1,5 +1,15 @@
 """`python -m posttrain …` (and `torchrun --nproc-per-node N -m posttrain sft …`)."""
 
+import os
+import sys
+
 from posttrain.cli import main
 
-raise SystemExit(main())
+code = main()
+if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    # a torchrun rank: its process group is closed (cli.main); skip interpreter finalisation, where gloo
+    # threads torn down late can abort the process ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+raise SystemExit(code)

@@ -50,7 +50,8 @@ class PlanConfig(Config):
     # run length and hardware
     tokens: Optional[float] = Field(None, gt=0, description="tokens of the whole run (D), e.g. 2e9; or give steps")
     steps: Optional[int] = Field(None, ge=1, description="optimizer steps of the whole run")
-    hardware: Optional[str] = Field(None, description="named accelerator: h100, h200, a100, b200 (sets peak_flops and device_memory)")
+    hardware: Optional[str] = Field(None, description="named accelerator: h100, h200, a100, b200 (sets peak_flops and device_memory); cpu: this machine's CPU, its matmul FLOP/s measured")
+    compute_dtype: Optional[str] = Field(None, description="hardware=cpu: the dtype the matmuls run in, bf16 | fp32 (default: dtype; bf16 for mixed precision)")
     peak_flops: Optional[float] = Field(None, gt=0, description="peak FLOP/s of one device (H100 dense BF16: 989e12)")
     mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation, in (0, 1]")
     devices: int = Field(1, ge=1, description="devices sharing a step (divides seconds_per_step)")

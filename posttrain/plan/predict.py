@@ -262,9 +262,15 @@ def _distill_cache(cfg: PlanConfig, mode: str, vocab: int | None, teacher_params
 
 def _add_hardware(out: dict, cfg: PlanConfig, flops_per_step: float, flops_per_token: float, memory: float) -> None:
     peak, device_memory = cfg.peak_flops, cfg.device_memory
-    if cfg.hardware is not None:
+    if cfg.hardware is not None and cfg.hardware.lower() == "cpu":  # this machine, measured (plan/cpu.py)
+        from posttrain.plan import cpu
+
+        compute = cfg.compute_dtype or cfg.dtype
+        peak = peak or cpu.measured_peak_flops(compute)
+        device_memory = device_memory or cpu.physical_memory()
+    elif cfg.hardware is not None:
         if cfg.hardware.lower() not in cost.HARDWARE:
-            raise UserError(f"hardware: unknown '{cfg.hardware}'; use one of {', '.join(cost.HARDWARE)} or give peak_flops")
+            raise UserError(f"hardware: unknown '{cfg.hardware}'; use one of {', '.join(cost.HARDWARE)}, cpu, or give peak_flops")
         named_peak, named_memory = cost.HARDWARE[cfg.hardware.lower()]
         peak, device_memory = peak or named_peak, device_memory or named_memory
     if cfg.tokens is not None and cfg.steps is not None:

@@ -50,6 +50,7 @@ from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
@@ -464,7 +465,8 @@ def plan_run(cfg: DPOConfig, model, train: list[TokenizedPair]) -> dict:
     micro = max(1, min(2 * cfg.batch_size, 2 * (cfg.micro_batch_tokens // per_pair)))
     return predict(unwrap(model).config, "dpo", batch=cfg.batch_size, seq_len=seq_len, micro_batch=micro,
                    dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", steps=max(cfg.max_steps, 1),
-                   lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0, precompute_ref=True)
+                   lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0, precompute_ref=True,
+                   **run_hardware(model, cfg.dtype, cfg.mixed_precision))
 
 
 def init_ranks(cfg: DPOConfig) -> fsdp.DistInfo:

@@ -42,6 +42,7 @@ from posttrain.eval.hook import EvalHook
 from posttrain.monitor.alarms import AlarmMonitor, AlarmStop
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes import rl_phases as ph
 from posttrain.recipes.common import EpochSampler, build_optimizer, optimizer_step, progress, seed_everything
@@ -539,7 +540,7 @@ def plan_run(cfg: RLConfig, model, beta: float, tok, rows, agent=None) -> dict:
     return predict(unwrap(model).config, method, **extra, batch=cfg.prompts_per_step, group=cfg.group_size,
                    beta=beta, reward="verifier",
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
-                   steps=max(cfg.max_steps, 1), logit_copies=0)
+                   steps=max(cfg.max_steps, 1), logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))
 
 
 def main(argv: list[str]) -> None:

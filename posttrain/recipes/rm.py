@@ -36,6 +36,7 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
 from posttrain.recipes.lifecycle import RunLifecycle
@@ -184,7 +185,7 @@ def plan_run(cfg: RMConfig, model, train: list[TokenizedPair]) -> dict:
     return predict(unwrap(model).config, "rm", batch=cfg.batch_size, seq_len=max(1, round(sum(seqs) / len(seqs))),
                    micro_batch=max(1, min(2 * cfg.batch_size, 2 * (cfg.micro_batch_tokens // per_pair))),
                    dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", steps=max(cfg.max_steps, 1),
-                   logit_copies=0)
+                   logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))
 
 
 def finish(run: RMRun) -> dict:

@@ -34,6 +34,7 @@ from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
 from posttrain.recipes.lifecycle import RunLifecycle
 from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
@@ -360,7 +361,8 @@ def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: Epoch
 
     pred = predict(unwrap(model).config, "sft", batch=cfg.batch_size, seq_len=cfg.max_length,
                    micro_batch=cfg.micro_batch_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
-                   steps=max(steps, 1), lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0)
+                   steps=max(steps, 1), lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0,
+                   **run_hardware(model, cfg.dtype, cfg.mixed_precision))
     probe = deepcopy(sampler)
     row_tokens = [sum(len(s) for s in u) for u in units]
     per_step = [sum(row_tokens[i] for i in probe.take(cfg.batch_size)) for _ in range(steps)]

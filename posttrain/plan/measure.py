@@ -153,6 +153,11 @@ def write_measured(run_dir: str | Path, measured: Measured | dict, flops_per_tok
         comparison["peak_rss_growth_over_predicted"] = m["peak_rss_growth_bytes"] / pred["peak_bytes_estimate"]
     if pred.get("tokens_per_step") and m.get("tokens_per_step"):
         comparison["tokens_per_step_over_predicted"] = m["tokens_per_step"] / pred["tokens_per_step"]
+    if pred.get("seconds_per_step") and m.get("seconds_per_step"):
+        comparison["seconds_per_step_over_predicted"] = m["seconds_per_step"] / pred["seconds_per_step"]
+    peak = (pred.get("hardware") or {}).get("peak_flops")
+    if peak and m.get("achieved_flops_per_second"):  # the MFU the run reached, against the planner's assumption
+        comparison["achieved_mfu"] = m["achieved_flops_per_second"] / peak
     data["comparison"] = comparison
     path.write_text(json.dumps(data, indent=2))
     return path

@@ -82,7 +82,8 @@ def cost_table(plan: dict | None) -> str:
         cells.append(f"<tr><th>{name}</th><td>{shown[0]}</td><td>{shown[1]}</td><td>{ratio}</td></tr>")
     return ("<table><tr><th></th><th>predicted</th><th>measured</th><th>measured / predicted</th></tr>"
             + "".join(cells) + "</table><p class=muted>memory measured as peak RSS growth over the run "
-            "(see docs/planner.md); time predicted from the hardware profile when one exists</p>")
+            "(see docs/planner.md); time = the step's FLOPs / (peak × MFU 0.4), the peak a matmul measured on "
+            "this CPU at the start (hardware=cpu); tokens counted at max_new_tokens per sample</p>")
 
 
 def alarms_html(summary: dict | None) -> str:

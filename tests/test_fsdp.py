@@ -110,6 +110,7 @@ RECIPE_ARGS = {
     "dpo": ["dpo", "batch_size=8", "micro_batch_tokens=256", "optim.lr=1e-3", "optim.warmup_steps=1", "eval_every=0",
             "length_probe.prompts=0", "eval_fraction=0.25"],
     "rl": ["rl", "prompts_per_step=4", "group_size=4", "max_new_tokens=12", "optim.lr=2e-2", "beta=0.05"],
+    "ppo": ["rl", "algo=ppo", "prompts_per_step=4", "group_size=2", "max_new_tokens=12", "optim.lr=2e-3", "beta=0.05"],
 }
 SPACES = "def space_share(prompts, completions, **kw):\n    return [c.count(' ') / max(len(c), 1) for c in completions]\n"
 
@@ -120,7 +121,7 @@ def _data(recipe, tmp_path) -> list[str]:
 
     if recipe == "dpo":
         return [f"data={write_jsonl(tmp_path / 'pairs.jsonl', rule_pairs(64))}"]
-    if recipe == "rl":  # a dense reward the tiny model can move (a file reward: the ranks are new processes)
+    if recipe in ("rl", "ppo"):  # a dense reward the tiny model can move (a file reward: the ranks are new processes)
         (tmp_path / "spaces.py").write_text(SPACES)
         return [f"data={write_jsonl(tmp_path / 'prompts.jsonl', COUNT_PROMPTS)}", f"reward={tmp_path / 'spaces.py'}:space_share"]
     return []
@@ -146,9 +147,9 @@ def _losses(run):
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("recipe", ["sft", "dpo", "rl"])
+@pytest.mark.parametrize("recipe", ["sft", "dpo", "rl", "ppo"])
 def test_recipe_under_torchrun(tmp_path, recipe):
-    """`torchrun -m posttrain sft|dpo|rl` at 2 ranks: the losses and final weights of one process (fp32
+    """`torchrun -m posttrain sft|dpo|rl` (GRPO, and PPO with its value model) at 2 ranks: the losses and final weights of one process (fp32
     summation order); a rank killed after step 5 (POSTTRAIN_FAIL_AT) is restarted by torchrun and the run
     resumes from the step-4 distributed checkpoint to the very same weights; that checkpoint also resumes
     in one process."""
@@ -179,3 +180,10 @@ def test_recipe_under_torchrun(tmp_path, recipe):
     shutil.rmtree(tmp_path / "two" / "final")
     _posttrain(recipe, tmp_path / "two", data, sys.executable)
     assert fsdp_check.update_difference(_final(tmp_path / "two"), two, init) < 1e-4
+    if recipe == "ppo":  # the value model: checkpointed sharded, gathered into final/value/
+        from transformers import AutoModelForSequenceClassification
+
+        assert (tmp_path / "killed" / "checkpoints" / "step-4" / "value" / "dcp").is_dir()
+        values = [AutoModelForSequenceClassification.from_pretrained(tmp_path / n / "final" / "value").score.weight
+                  for n in ("one", "killed")]
+        assert torch.allclose(values[0], values[1], rtol=1e-3, atol=1e-5)

@@ -51,9 +51,8 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
     if dist_info is not None:
-        if extras:
-            raise NotImplementedError("sharded checkpoints of extra models (PPO's value model)")
-        return _save_sharded(run_dir, final, tmp, model, optimizer, scheduler, {"step": step, **state}, keep, dist_info)
+        return _save_sharded(run_dir, final, tmp, model, optimizer, scheduler, {"step": step, **state}, keep, dist_info,
+                             extras)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(trainable_state(model), tmp / "weights.safetensors")
@@ -72,8 +71,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
 
 
 def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, scheduler, state: dict, keep: int,
-                  info) -> Path:
-    """Rank 0 writes scheduler, RNG and (last, after every rank's shards) state.json, then renames."""
+                  info, extras: dict | None = None) -> Path:
+    """Rank 0 writes scheduler, RNG and (last, after every rank's shards) state.json, then renames.
+    `extras` (PPO's value model and its optimizer) go to their own distributed checkpoints, <name>/."""
     import torch.distributed as dist
 
     from posttrain.systems.fsdp import save_dcp
@@ -84,6 +84,8 @@ def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, sched
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
     dist.barrier()
+    for name, (module, opt) in (extras or {}).items():
+        save_dcp(tmp / name, module, opt, {}, info)
     save_dcp(tmp, model, optimizer, state, info)  # barrier after the shards, then state.json on rank 0
     if info.main:
         shutil.rmtree(final, ignore_errors=True)
@@ -123,8 +125,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None
 def _load_sharded(path: Path, model, optimizer, scheduler, extras: dict | None) -> dict:
     from posttrain.systems.fsdp import load_dcp
 
-    if extras:
-        raise UserError(f"{path}: a distributed checkpoint holds no {', '.join(extras)} model")
+    for name, (module, opt) in (extras or {}).items():
+        if not (path / name / "state.json").is_file():
+            raise UserError(f"{path}: this distributed checkpoint holds no {name} model")
+        load_dcp(path / name, module, opt)
     state = load_dcp(path, model, optimizer)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))

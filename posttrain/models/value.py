@@ -35,16 +35,26 @@ class ValueModel(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             return self.score(h.to(self.score.weight.dtype)).squeeze(-1).float()
 
-    def save_pretrained(self, path: Path) -> None:
-        """Sequence-classification layout: `AutoModelForSequenceClassification.from_pretrained(path)` loads it."""
+    def save_pretrained(self, path: Path, state: dict | None = None) -> None:
+        """Sequence-classification layout: `AutoModelForSequenceClassification.from_pretrained(path)` loads it.
+        `state`: parameter name -> full tensor (a sharded value model's weights, gathered)."""
         from transformers import AutoModelForSequenceClassification
 
         cfg = copy.deepcopy(self.config)
         cfg.num_labels = 1
         clf = AutoModelForSequenceClassification.from_config(cfg)
         prefix = clf.base_model_prefix
-        getattr(clf, prefix).load_state_dict(getattr(unwrap(self.lm), prefix).state_dict())
-        clf.score.weight.data.copy_(self.score.weight.data)
+        if state is None:
+            getattr(clf, prefix).load_state_dict(getattr(unwrap(self.lm), prefix).state_dict())
+            clf.score.weight.data.copy_(self.score.weight.data)
+        else:
+            head = f"lm.{prefix}."
+            backbone = {k[len(head):]: v for k, v in state.items() if k.startswith(head)}
+            missing = set(dict(getattr(clf, prefix).named_parameters())) - set(backbone)
+            if missing:
+                raise KeyError(f"value model state lacks {sorted(missing)[:3]}")
+            getattr(clf, prefix).load_state_dict(backbone, strict=False)  # buffers (rotary) come from the config
+            clf.score.weight.data.copy_(state["score.weight"])
         clf.save_pretrained(path)
 
 

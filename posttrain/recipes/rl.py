@@ -111,8 +111,9 @@ def rl_step(run: RLRun, step: int) -> dict:
     # 3. reference (β > 0 only); PPO: old log-probs, values, token rewards, GAE
     if run.ref is not None:
         with timer("reference"):
-            mine = fsdp_rl.my_batches(batches, cfg.minibatches, run.info) if run.info.world > 1 else batches
-            ph.reference_logps(run.ref, mine, cfg)
+            # sharded: only the micro-batches this rank trains on; PPO's token rewards need every batch's
+            share = run.info.world > 1 and run.critic is None
+            ph.reference_logps(run.ref, fsdp_rl.my_batches(batches, cfg.minibatches, run.info) if share else batches, cfg)
     if run.critic is not None:
         with timer("critic"):
             adv_metrics = critic_phase(run, batches)
@@ -215,10 +216,7 @@ def update(run: RLRun, batches, train_policy: bool = True) -> dict:
                 if train_policy:
                     policy_backward(run, b, epoch, beta, norms, stats, w)
                 if run.critic is not None:
-                    loss, m = ph.critic_loss(run.critic, b, cfg.mixed_precision, cfg.vf_clip, norms["tokens"])
-                    loss.backward()
-                    stats["critic"].add({"vf/loss": loss.detach() * norms["tokens"] / max(float(b.loss_mask.sum()), 1), **m},
-                                        float(b.loss_mask.sum()))
+                    critic_backward(run, b, norms, stats, w)
             if train_policy:
                 norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm)
                 stats["grad_norm"] = norm if stats["grad_norm"] is None else stats["grad_norm"]
@@ -239,6 +237,16 @@ def sync_engine(run: RLRun) -> None:
     if run.generator is not None:
         fsdp_rl.sync_generator(run)
     run.engine.sync_weights()
+
+
+def critic_backward(run: RLRun, b, norms: dict, stats: dict, weight: float = 1.0) -> None:
+    """PPO's clipped value loss on one micro-batch, its share of the minibatch's token mean."""
+    loss, m = ph.critic_loss(run.critic, b, run.cfg.mixed_precision, run.cfg.vf_clip, norms["tokens"])
+    scale = getattr(run.critic, "loss_scale", 1.0)  # sharded: FSDP averages gradients over ranks, W x is a sum
+    (loss * (weight * scale) if run.info.world > 1 else loss).backward()
+    if weight:
+        tokens = float(b.loss_mask.sum())
+        stats["critic"].add({"vf/loss": loss.detach() * norms["tokens"] / max(tokens, 1), **m}, tokens)
 
 
 def policy_backward(run: RLRun, b, epoch: int, beta: float, norms: dict, stats: dict, weight: float = 1.0) -> None:
@@ -402,10 +410,22 @@ def build_critic(run: RLRun) -> None:
     cfg = run.cfg
     if cfg.value_model:
         run.critic = value_model_from_reward_model(cfg.value_model, run.device)
-    else:
-        run.critic = value_model_from_policy(run.model)
+    else:  # sharded: from the rollout copy (the initial weights, unsharded)
+        run.critic = value_model_from_policy(run.generator if run.generator is not None else run.model)
+    if run.info.world > 1:
+        run.critic = fsdp.shard_model(run.critic, lm=run.critic.lm)
     lr = cfg.critic_lr or 10 * cfg.optim.lr
     run.critic_opt, run.critic_sched = build_optimizer(run.critic, cfg.optim.model_copy(update={"lr": lr}), cfg.max_steps)
+
+
+def save_value_model(run: RLRun, path) -> None:
+    """final/value/ (sequence-classification layout); a sharded value model is gathered first (every rank)."""
+    if isinstance(run.critic, fsdp.Sharded):
+        state = fsdp.full_state(run.critic.model)
+        if run.life.main:
+            run.critic.model.save_pretrained(path, state=state)
+    else:
+        run.critic.save_pretrained(path)
 
 
 def critic_extras(run: RLRun) -> dict | None:
@@ -416,12 +436,12 @@ def init_ranks(cfg: RLConfig, preset) -> fsdp.DistInfo:
     """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
     info = fsdp.init_from_env()
     if info.world > 1:
-        unsupported = ((uses_critic(preset), f"algo={cfg.algo} (a value model)"), (cfg.algo == "online_dpo", "algo=online_dpo"),
+        unsupported = ((cfg.algo == "online_dpo", "algo=online_dpo"),
                        (bool(cfg.env), "env= (multi-turn episodes)"), (cfg.systems.pipelined, "async_rl / cluster=ray"))
         for on, what in unsupported:
             if on:
                 raise UserError(f"{what}: not supported under torchrun yet (world size {info.world}); "
-                                "the GRPO family is")
+                                "PPO and the GRPO family are")
     return info
 
 
@@ -474,10 +494,10 @@ def finish(run: RLRun) -> dict:
         life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True,
                         extras=critic_extras(run))
     final = life.save_final(run.model, run.tok)
+    if run.critic is not None:
+        save_value_model(run, final / "value")
     if not life.main:
         return {}
-    if run.critic is not None:
-        run.critic.save_pretrained(final / "value")
     plan = json.loads(write_measured(life.out, run.measured).read_text())
     history = life.history()
     preset = rl_preset(cfg.algo)

@@ -231,11 +231,20 @@ def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap
 # ---------------------------------------------------------------- PPO: critic, token rewards, GAE
 
 
+def values(critic, b: RLBatch, mixed_precision: str, index: torch.Tensor) -> torch.Tensor:
+    """V at the flat positions `index` (a sharded value model: inside its FSDP root's forward)."""
+    from posttrain.systems.fsdp import apply
+
+    return apply(critic, lambda m, *args: m.values(*args), b, mixed_precision, index)
+
+
 @torch.no_grad()
 def old_logps(model, batches: list[RLBatch], cfg) -> None:
     """log π_old of the loss tokens before any update (PPO needs them for the KL in the reward)."""
+    from posttrain.systems.fsdp import apply
+
     for b in batches:
-        b.old_logp, _ = policy_logps(model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True)
+        b.old_logp, _ = apply(model, policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True)
 
 
 @torch.no_grad()
@@ -243,7 +252,7 @@ def critic_values(critic, batches: list[RLBatch], mixed_precision: str) -> None:
     """V(s_t) at every loss token's state -> old_values (S, L); V after the last token -> bootstrap (S,)."""
     for b in batches:
         m = b.hidden_index.numel()
-        v = critic.values(b, mixed_precision, torch.cat([b.hidden_index, b.last_index]))
+        v = values(critic, b, mixed_precision, torch.cat([b.hidden_index, b.last_index]))
         b.old_values, b.bootstrap = b.spread(v[:m]), v[m:]
 
 
@@ -283,7 +292,7 @@ def critic_loss(critic, b: RLBatch, mixed_precision: str, clip: float | None, no
     """Clipped value loss of one micro-batch, its exact share of the step's token mean."""
     from posttrain.algos import value_loss
 
-    v = b.spread(critic.values(b, mixed_precision, b.hidden_index))  # (S, L)
+    v = b.spread(values(critic, b, mixed_precision, b.hidden_index))  # (S, L)
     tok, metrics = value_loss(v, b.old_values, b.returns, b.loss_mask, clip=clip)
     return tok.sum() / norm_tokens, metrics
 

@@ -107,10 +107,12 @@ def apply(model, fn, *args, **kwargs):
     return fn(model, *args, **kwargs)
 
 
-def shard_model(model, reshard_after_forward: bool = True) -> Sharded:
+def shard_model(model, reshard_after_forward: bool = True, lm=None) -> Sharded:
+    """Decoder layers one FSDP unit each, the rest (embeddings, norm, heads) in the root. `lm`: the causal LM
+    whose layers are sharded when `model` wraps one (PPO's value model: `lm=critic.lm`)."""
     from torch.distributed.fsdp import fully_shard
 
-    inner = unwrap(model)
+    inner = unwrap(lm if lm is not None else model)
     backbone = getattr(inner, inner.base_model_prefix)
     for layer in getattr(backbone, "layers", []):
         fully_shard(layer, reshard_after_forward=reshard_after_forward)

@@ -1,4 +1,4 @@
-"""Online RL (the GRPO family) under `torchrun --nproc-per-node W -m posttrain rl …`, FSDP2-sharded.
+"""Online RL (the GRPO family and PPO) under `torchrun --nproc-per-node W -m posttrain rl …`, FSDP2-sharded.
 
 Per step, on every rank:
     generate   rank r samples rows r, r + W, … of the round with a full, plain copy of the policy (the
@@ -9,7 +9,9 @@ Per step, on every rank:
                rank_share, weight-0 padding); the loss statistics are gathered and merged once per update
     sync       the sharded weights are gathered into the rollout copy (a collective), the engine re-packs them
 
-so the run follows the single-process run on the same seed, up to summation order.
+so the run follows the single-process run on the same seed, up to summation order. PPO's value model is
+sharded like the policy (posttrain/recipes/rl.py: build_critic, critic_backward, save_value_model); its
+values and the GAE run on every rank over the whole batch.
 """
 
 from __future__ import annotations
@@ -93,12 +95,14 @@ def reduce_stats(stats: dict, info: fsdp.DistInfo) -> None:
     if info.world == 1:
         return
     mine = {"sums": stats["losses"].sums, "weight": stats["losses"].weight, "loss": stats["loss"],
-            "entropy": stats["entropy"], "cons": stats["cons"]}
+            "entropy": stats["entropy"], "cons": stats["cons"],
+            "critic": (stats["critic"].sums, stats["critic"].weight)}
     parts = gather_objects(mine, info)
-    means = ph.TokenMeans()
+    means, critic = ph.TokenMeans(), ph.TokenMeans()
     for p in parts:
         means.merge(p["sums"], p["weight"])
-    stats["losses"] = means
+        critic.merge(*p["critic"])
+    stats["losses"], stats["critic"] = means, critic
     stats["loss"] = sum(p["loss"] for p in parts)
     stats["entropy"] = sum(p["entropy"] for p in parts)
     stats["cons"] = {k: (max if k == "dlogp_max" else sum)(p["cons"][k] for p in parts) for k in stats["cons"]}

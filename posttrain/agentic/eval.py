@@ -171,10 +171,7 @@ def write_report(out: Path, doc: dict) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = parse_args(AgentEvalConfig, argv, prog="posttrain eval env=...")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = parse_args(AgentEvalConfig, argv, prog="posttrain eval env=...")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_agent_eval(cfg)
     pct = round(100 * doc["confidence"])
     print(f"{doc['counts']['items']} problems x {cfg.n} episodes ({cfg.model}, env {cfg.env}, tools via {doc['protocol']['tool_format']})")

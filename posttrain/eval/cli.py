@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 from posttrain.config import parse_args
-from posttrain.errors import UserError
 from posttrain.eval import protocol as P
 from posttrain.eval.config import EvalConfig
 from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
@@ -127,10 +126,7 @@ def main(argv: list[str]) -> int | None:
         from posttrain.eval.contamination import main as contamination_main
 
         return contamination_main(argv[1:])
-    try:
-        cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_eval(cfg)
     print_summary(doc, cfg.output_dir)
     return 0

@@ -564,10 +564,7 @@ def plan_run(cfg: RLConfig, model, beta: float, tok, rows, agent=None) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    try:
-        cfg = parse_args(RLConfig, argv, prog="posttrain rl")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = parse_args(RLConfig, argv, prog="posttrain rl")  # a bad key or value: ConfigError, reported by the CLI
     if cfg.systems.cluster == "ray":  # the trainer runs as a Ray actor
         from posttrain.systems.ray_cluster import train as train_on_ray
 

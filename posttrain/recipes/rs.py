@@ -367,10 +367,7 @@ def finish(run: RSRun, rows: list[dict], final: dict | None, model_path: str) ->
 
 
 def main(argv: list[str]) -> None:
-    try:
-        cfg = parse_args(RSConfig, argv, prog="posttrain rs")
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    cfg = parse_args(RSConfig, argv, prog="posttrain rs")  # a bad key or value: ConfigError, reported by the CLI
     t0 = time.perf_counter()
     s = train(cfg)
     fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"  # noqa: E731 - None / NaN: no reward applied

@@ -173,10 +173,10 @@ def write_report(out: Path, doc: dict) -> Path:
 def main(argv: list[str]) -> int:
     cfg = parse_args(AgentEvalConfig, argv, prog="posttrain eval env=...")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_agent_eval(cfg)
-    pct = round(100 * doc["confidence"])
+    from posttrain.eval.cli import print_metrics
+
     print(f"{doc['counts']['items']} problems x {cfg.n} episodes ({cfg.model}, env {cfg.env}, tools via {doc['protocol']['tool_format']})")
-    for name, m in doc["metrics"].items():
-        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%")
+    print_metrics(doc)
     a = doc["agent"]
     print(f"  turns {a['turns']:.2f}, tool calls {a['tool_calls']:.2f} per episode; tool errors {a['tool_errors']}, "
           f"timeouts {a['tool_timeouts']}; env {doc['timing']['env_s']:.2f} s vs model {doc['timing']['model_s']:.2f} s "

@@ -98,12 +98,18 @@ def run_eval(cfg: EvalConfig) -> dict:
     return doc
 
 
+def print_metrics(doc: dict) -> None:
+    """One line per metric: value [low, high] at the results' confidence (and the interval's method)."""
+    pct = round(100 * doc["confidence"])
+    for name, m in doc["metrics"].items():
+        how = f"  ({m['interval']})" if "interval" in m else ""
+        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%{how}")
+
+
 def print_summary(doc: dict, out_dir: str) -> None:
     c = doc["counts"]
-    pct = round(100 * doc["confidence"])
     print(f"{c['items']} problems x {doc['protocol']['n']} samples ({doc['protocol']['model']['name']}, {doc['protocol']['data']['source']})")
-    for name, m in doc["metrics"].items():
-        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%  ({m['interval']})")
+    print_metrics(doc)
     t = doc["timing"]
     print(f"  {t['generated_tokens']} tokens in {t['wall_s']:.2f} s = {t['tokens_per_s']:.1f} tokens/s "
           f"(generation {t['generate_s']:.2f} s, scoring after it {t['scoring_after_generation_s']:.2f} s)")

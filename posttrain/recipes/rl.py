@@ -313,10 +313,11 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
                                               "reward": t.reward} for t in trajs])
     row.update(run.alarms.metrics(fired))
     logged = run.metrics.write(step + 1, row)
-    with (run.life.out / "samples.jsonl").open("a") if run.life.main else open("/dev/null", "w") as f:
-        for t in trajs[: cfg.samples_per_log]:
-            f.write(json.dumps({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
-                                "reward": t.reward, "finish_reason": t.finish_reason}) + "\n")
+    if run.life.main:  # a sharded run's other ranks hold the same samples
+        with (run.life.out / "samples.jsonl").open("a") as f:
+            for t in trajs[: cfg.samples_per_log]:
+                f.write(json.dumps({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
+                                    "reward": t.reward, "finish_reason": t.finish_reason}) + "\n")
     run.alarms.act(fired)  # on_alarm=stop | checkpoint_and_stop raises AlarmStop
     return logged
 

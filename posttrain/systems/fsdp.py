@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from posttrain.errors import UserError
 from posttrain.models.forward import unwrap
+from posttrain.recipes.common import optimizer_step
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def sft_step(step_model, optimizer, batches: list, info: DistInfo, max_grad_norm
     n_local = sum(b.num_loss_tokens for b, w in local if w)
     (n_global,) = global_sum([n_local], info)  # the one reduction of the normaliser
     loss = sft_backward(step_model, local, int(n_global), chunk, mixed_precision)
-    grad_norm = clip_and_step(step_model, optimizer, max_grad_norm)
+    grad_norm = optimizer_step(step_model, optimizer, max_grad_norm)
     (loss_sum,) = global_sum([float(loss)], info)  # for the log only
     return {"loss": loss_sum, "grad_norm": float(grad_norm), "loss_tokens": int(n_global)}
 
@@ -223,15 +224,9 @@ def rl_step(step_model, optimizer, batches: list, info: DistInfo, loss_fn, cfg, 
         loss, _ = ph.batch_loss(logp, b, loss_fn, cfg, beta, cfg.kl_estimator, tis_cap, norms)
         (loss * (w * step_model.loss_scale)).backward()
         total += float(loss.detach()) * w
-    grad_norm = clip_and_step(step_model, optimizer, cfg.optim.max_grad_norm)
+    grad_norm = optimizer_step(step_model, optimizer, cfg.optim.max_grad_norm)
     (loss_sum,) = global_sum([float(total)], info)
     return {"loss": loss_sum, "grad_norm": float(grad_norm), "loss_tokens": norms["tokens"]}
-
-
-def clip_and_step(model, optimizer, max_grad_norm: float):
-    from posttrain.recipes.common import optimizer_step
-
-    return optimizer_step(model, optimizer, max_grad_norm)
 
 
 # ---------------------------------------------------------------- distributed checkpoints

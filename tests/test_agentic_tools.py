@@ -8,7 +8,7 @@ import time
 import pytest
 
 from posttrain.agentic import calculator as calc
-from posttrain.agentic.env import load_env
+from posttrain.agentic.envs import load_env
 from posttrain.agentic.formats import make_format
 from posttrain.agentic.rollout import new_episodes, run_episodes
 from posttrain.agentic.search import MockSearch

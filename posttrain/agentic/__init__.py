@@ -1,6 +1,7 @@
 """Agentic multi-turn RL: environments, tools, tool-call formats, the multi-turn rollout.
 
-    env.py        the Environment protocol (reset / step / reward), registry, `env=path.py:Class`
+    env.py        the Environment protocol (reset / step / reward), ToolEnv, the registry
+    envs.py       the built-in environments; load_env: a registered name or `env=path.py:Class`
     tools.py      Tool, ToolResult, containment (errors and timeouts become observations), built-ins
     calculator.py safe arithmetic by AST evaluation (no eval)
     search.py     a mock search over a local document set

@@ -1,4 +1,4 @@
-"""The environment protocol, a registry, and `env=path/to/file.py:Class`.
+"""The environment protocol and the registry of named environments (`load_env` is in envs.py, beside the built-ins).
 
 An episode: the state is the whole history (prompt, the model's turns, the observations), an action
 is one generated turn, the environment answers it, the reward comes at the end.
@@ -25,7 +25,6 @@ tools run elsewhere (the Python tool in a sandbox with its own temp dir) and nev
 from __future__ import annotations
 
 import inspect
-from typing import Callable
 
 from posttrain.agentic.tools import Tool, ToolResult, execute
 from posttrain.errors import UserError
@@ -63,7 +62,7 @@ class ToolEnv(Environment):
         return text, False, {"tool_calls": [r.log() for r in results]}
 
 
-# ---------------------------------------------------------------- registry
+# ---------------------------------------------------------------- registry (the built-ins register in envs.py)
 
 ENVS: dict[str, type] = {}
 
@@ -75,36 +74,7 @@ def register_env(name: str):
     return deco
 
 
-def _check_class(cls, where: str) -> None:
+def check_env_class(cls, where: str) -> None:
     missing = [m for m in ("reset", "step", "reward") if not callable(getattr(cls, m, None))]
     if not inspect.isclass(cls) or missing:
         raise UserError(f"env {where}: not an environment class (needs reset, step, reward; missing {missing})")
-
-
-def load_env(spec: str, options: dict | None = None) -> Callable[[], Environment]:
-    """A factory of environments from a registered name or 'path/to/file.py:Class'; options are
-    keyword arguments of the class. Errors name the file and class."""
-    import posttrain.agentic.envs  # noqa: F401 - registers the built-ins
-
-    options = dict(options or {})
-    if ".py:" in spec:
-        from posttrain.rewards.registry import _load_module
-
-        path_text, _, cls_name = spec.rpartition(":")
-        try:
-            module, path = _load_module(path_text)
-        except UserError as e:
-            raise UserError(f"env {spec}: {e}") from None
-        cls = getattr(module, cls_name, None)
-        if cls is None:
-            raise UserError(f"env {spec}: {path} defines no '{cls_name}'")
-    elif spec in ENVS:
-        cls = ENVS[spec]
-    else:
-        raise UserError(f"unknown env '{spec}' (built-in: {', '.join(sorted(ENVS))}; or path/to/file.py:Class)")
-    _check_class(cls, spec)
-    try:
-        cls(**options)
-    except TypeError as e:
-        raise UserError(f"env {spec}: bad env_args {sorted(options)}: {e}") from None
-    return lambda: cls(**options)

@@ -1,4 +1,5 @@
-"""Built-in environments (`env=calculator`, `env=python_code`, `env=search_qa`).
+"""Built-in environments (`env=calculator`, `env=python_code`, `env=search_qa`) and `load_env`, which finds a
+registered name (these, once this module is imported) or loads `env=path/to/file.py:Class`.
 
     calculator   rows {prompt, answer}: arithmetic with a calculator tool; reward 1 when the final
                  answer's last number equals `answer`. Metric tool_correct: a call returned the answer.
@@ -12,9 +13,11 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
-from posttrain.agentic.env import ToolEnv, register_env
+from posttrain.agentic.env import ENVS, Environment, ToolEnv, check_env_class, register_env
 from posttrain.agentic.tools import calculator_tool, python_tool, search_tool
+from posttrain.errors import UserError
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -107,3 +110,30 @@ class SearchEnv(ToolEnv):
         if episode.finish_reason != "answer":
             return 0.0
         return float(self.answer.lower() in (episode.final_text or "").lower())
+
+
+def load_env(spec: str, options: dict | None = None) -> Callable[[], Environment]:
+    """A factory of environments from a registered name or 'path/to/file.py:Class'; options are
+    keyword arguments of the class. Errors name the file and class."""
+    options = dict(options or {})
+    if ".py:" in spec:
+        from posttrain.rewards.registry import _load_module
+
+        path_text, _, cls_name = spec.rpartition(":")
+        try:
+            module, path = _load_module(path_text)
+        except UserError as e:
+            raise UserError(f"env {spec}: {e}") from None
+        cls = getattr(module, cls_name, None)
+        if cls is None:
+            raise UserError(f"env {spec}: {path} defines no '{cls_name}'")
+    elif spec in ENVS:
+        cls = ENVS[spec]
+    else:
+        raise UserError(f"unknown env '{spec}' (built-in: {', '.join(sorted(ENVS))}; or path/to/file.py:Class)")
+    check_env_class(cls, spec)
+    try:
+        cls(**options)
+    except TypeError as e:
+        raise UserError(f"env {spec}: bad env_args {sorted(options)}: {e}") from None
+    return lambda: cls(**options)

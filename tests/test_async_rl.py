@@ -1,4 +1,4 @@
-"""Asynchronous RL in one process (posttrain/systems/async_rl.py): the k = 0 run is the synchronous
+"""Asynchronous RL in one process (posttrain/recipes/rl/async_rl.py): the k = 0 run is the synchronous
 run, staleness never exceeds k, stale and interrupted samples are refused, a restarted producer
 regenerates exactly the unconsumed groups, and the long-tail simulation is faster asynchronously."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_rl
-from posttrain.systems.async_rl import AsyncRollout, Failure, GroupItem, Ledger, RolloutProducer, WeightStore
+from posttrain.recipes.rl.async_rl import AsyncRollout, Failure, GroupItem, Ledger, RolloutProducer, WeightStore
 from test_rl_recipe import space_share  # noqa: F401  (registers the test reward)
 
 
@@ -37,7 +37,7 @@ def test_staleness_never_exceeds_k(tmp_path, monkeypatch):
     """A slow trainer (0.3 s more per update) lets the producer run k rounds ahead: staleness reaches
     k and never exceeds it, on every consumed sample."""
     from posttrain.recipes import rl
-    from posttrain.systems import async_rl
+    from posttrain.recipes.rl import async_rl
 
     seen = []
     original = async_rl.AsyncRollout.collect
@@ -54,7 +54,7 @@ def test_staleness_never_exceeds_k(tmp_path, monkeypatch):
         return slow_update(run, batches, train_policy)
 
     monkeypatch.setattr(async_rl.AsyncRollout, "collect", checked)
-    monkeypatch.setattr(rl, "update", update)
+    monkeypatch.setattr(rl.step, "update", update)
     summary, out = run_rl(tmp_path, "max_steps=6", "async_rl=true", "max_staleness=2", "beta=0")
     assert len(seen) == 6 * 16
     assert max(seen) == 2 and min(seen) >= 0, seen
@@ -134,7 +134,7 @@ def _producer(tmp_path, tiny_tok, resume=None, k=1, partial="finish"):
     from posttrain.models.loading import load_model
     from posttrain.recipes.rl import RLConfig
     from posttrain.rollout.engine import Engine, EngineConfig
-    from posttrain.systems.async_rl import local_scorer
+    from posttrain.recipes.rl.async_rl import local_scorer
     from posttrain.rewards.registry import compose
 
     data = write_jsonl(tmp_path / "p.jsonl", COUNT_PROMPTS)
@@ -165,7 +165,7 @@ def test_restarted_producer_regenerates_exactly_the_unconsumed_groups(tmp_path, 
     """Acceptance 4's bookkeeping: rounds 0 and 1 (k = 1, version 0) are generated; the trainer consumed
     three groups; a new producer started from the ledger regenerates the other three, with the same
     prompts, and nothing else."""
-    from posttrain.systems.async_rl import weights_of
+    from posttrain.recipes.rl.async_rl import weights_of
 
     prod, model = _producer(tmp_path, tiny_tok)
     store = WeightStore()
@@ -190,7 +190,7 @@ def test_partial_rollouts_finish_and_drop(tmp_path, tiny_tok):
     """A newer version published while round 0 decodes: `finish` keeps the old weights until the round
     is done (its samples carry version 0, none interrupted); `drop` loads at once and emits the round's
     groups as interrupted."""
-    from posttrain.systems.async_rl import weights_of
+    from posttrain.recipes.rl.async_rl import weights_of
 
     for partial in ("finish", "drop"):
         prod, model = _producer(tmp_path, tiny_tok, k=0, partial=partial)
@@ -222,7 +222,7 @@ def test_async_run_resumes(tmp_path):
 def test_async_needs_the_importance_weight():
     from posttrain.config import parse_args
     from posttrain.recipes.rl import RLConfig
-    from posttrain.systems.async_rl import check_config
+    from posttrain.recipes.rl.async_rl import check_config
 
     with pytest.raises(ValueError, match="importance weight"):
         check_config(parse_args(RLConfig, ["async_rl=true", "max_staleness=1", "tis_cap=0"]))
@@ -249,7 +249,7 @@ def test_long_tail_async_is_faster(tmp_path):
 
 def test_producer_over_a_generate_only_backend(tmp_path, tiny_tok):
     """StepAdapter (the vLLM path): submit/step/has_work over `generate`; a round comes out whole."""
-    from posttrain.systems.async_rl import StepAdapter, weights_of
+    from posttrain.recipes.rl.async_rl import StepAdapter, weights_of
 
     prod, model = _producer(tmp_path, tiny_tok, k=0)
     prod.engine = StepAdapter(prod.engine)

@@ -1,4 +1,4 @@
-"""Pieces of the sharded RL step that need no process group (posttrain/systems/fsdp_rl.py)."""
+"""Pieces of the sharded RL step that need no process group (posttrain/recipes/rl/sharded.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.rewards.registry import compose, register
 from posttrain.systems.fsdp import DistInfo
-from posttrain.systems.fsdp_rl import merge_reward_metrics, my_batches
+from posttrain.recipes.rl.sharded import merge_reward_metrics, my_batches
 
 
 @register("half_none", description="test reward: the length of the completion, None for odd lengths")

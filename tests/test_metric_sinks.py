@@ -138,13 +138,13 @@ def test_rl_scalars_in_tensorboard_match_metrics_jsonl_across_a_kill_and_resume(
             raise KeyboardInterrupt
         return real_step(run_, step)
 
-    monkeypatch.setattr(rl, "rl_step", killed)
+    monkeypatch.setattr(rl.step, "rl_step", killed)
     with pytest.raises(KeyboardInterrupt):
         run_rl(tmp_path, *args)
     first = jsonl_scalars(tmp_path / "run" / "metrics.jsonl")
     assert sorted(first["reward/mean"]) == [1, 2, 3]
     assert_same(tb_scalars(tmp_path / "run" / "tensorboard"), first)  # flushed at each step: a killed run keeps them
-    monkeypatch.setattr(rl, "rl_step", real_step)
+    monkeypatch.setattr(rl.step, "rl_step", real_step)
     run_rl(tmp_path, *args, "resume=true")
     js = jsonl_scalars(tmp_path / "run" / "metrics.jsonl")
     assert sorted(js["reward/mean"]) == [1, 2, 3, 4] and "kl" in js and "entropy" in js

@@ -1,4 +1,4 @@
-"""Ray placement on a local CPU cluster (posttrain/systems/ray_cluster.py), `ray.init(num_cpus=2)`:
+"""Ray placement on a local CPU cluster (posttrain/recipes/rl/ray_cluster.py), `ray.init(num_cpus=2)`:
 synchronous mode matches the single-process run, async mode keeps staleness <= k on every consumed
 sample, and a killed rollout worker is restarted without losing or double-counting a group."""
 

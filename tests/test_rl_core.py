@@ -10,7 +10,7 @@ import torch
 from conftest import run_rl
 from posttrain.config import ConfigError, parse_args
 from posttrain.recipes import rl
-from posttrain.recipes import rl_phases as ph
+from posttrain.recipes.rl import phases as ph
 from posttrain.rewards.registry import RewardError, register
 from posttrain.rollout.trajectory import Trajectory, make_batches
 
@@ -173,10 +173,10 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch,
             raise KeyboardInterrupt
         return real_step(run_, step)
 
-    monkeypatch.setattr(rl, "rl_step", killed)
+    monkeypatch.setattr(rl.step, "rl_step", killed)
     with pytest.raises(KeyboardInterrupt):
         run(tmp_path, *args, name="cut")
-    monkeypatch.setattr(rl, "rl_step", real_step)
+    monkeypatch.setattr(rl.step, "rl_step", real_step)
     run(tmp_path, *args, "resume=true", name="cut")
     a, b = rows_of(full), rows_of(tmp_path / "cut")
     timing = lambda k: k.startswith("time/") or k.endswith("/seconds") or k == "tokens_per_s"  # noqa: E731

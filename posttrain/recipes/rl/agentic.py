@@ -19,7 +19,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
-from posttrain.agentic.env import load_env
+from posttrain.agentic.envs import load_env
 from posttrain.agentic.formats import encode, make_format
 from posttrain.agentic.rollout import Episode, RolloutStats, new_episodes, run_episodes
 
@@ -50,7 +50,7 @@ def setup_agent(cfg, tok, rows) -> AgentRun:
 
 def collect_agentic(run, step: int):
     """B groups of G episodes -> (trajectories, metrics); dynamic sampling refills like `rl.collect`."""
-    from posttrain.recipes import rl_phases as ph
+    from posttrain.recipes.rl import phases as ph
 
     cfg, agent = run.cfg, run.agent
     episodes: list = []

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.models.forward import unwrap
-from posttrain.recipes import rl_phases as ph
-from posttrain.recipes.common import EpochSampler
+from posttrain.recipes.rl import phases as ph
+from posttrain.training.data_order import EpochSampler
 from posttrain.rollout.trajectory import Trajectory
 
 ASYNC_TIS_CAP = 2.0  # default cap of the importance weight π_prox/μ when the run gives none
@@ -417,7 +417,7 @@ def attach(run, resume_state: dict | None) -> None:
     if resume is None and resume_state:  # a synchronous run's checkpoint: round n = step n from its data position
         resume = {"batch": run.life.start, "sampler": resume_state["sampler"], "consumed": []}
     if run.cfg.systems.cluster == "ray":
-        from posttrain.systems.ray_cluster import attach_ray
+        from posttrain.recipes.rl.ray_cluster import attach_ray
 
         run.rollout = attach_ray(run, resume)
         return

@@ -3,7 +3,7 @@ a rollout worker and a reward worker (the verifier pool) as Ray actors with reso
 local `ray.init()` or an existing cluster (`ray_address=...`).
 
     TrainerActor   runs recipes/rl.py's loop (the driver only waits for its summary)
-    RolloutActor   the RolloutProducer of systems/async_rl.py on its own engine; emits scored groups into
+    RolloutActor   the RolloutProducer of recipes/rl/async_rl.py on its own engine; emits scored groups into
                    a `ray.util.queue.Queue` (bounded); gets weights by version through the object store
                    (`ray.put` once per version, the actor resolves the reference; on GPUs the same call
                    site is where an NCCL broadcast goes)
@@ -14,7 +14,7 @@ from version n, so the run's samples and metrics are the single-process run's (t
 
 Fault tolerance: the rollout actor is created with max_restarts=-1. Each incarnation has an id; the
 trainer notices a new one (on a queue timeout, or at the start of a step), restarts generation from
-its ledger (systems/async_rl.py::Ledger: rounds fully consumed are skipped, partially consumed rounds
+its ledger (recipes/rl/async_rl.py::Ledger: rounds fully consumed are skipped, partially consumed rounds
 regenerate only their unconsumed groups) and drops queued groups of the dead incarnation, so no sample
 is lost or counted twice.
 """
@@ -26,7 +26,7 @@ import time
 import uuid
 
 from posttrain.errors import UserError
-from posttrain.systems.async_rl import AsyncRollout, Failure, GroupItem, RolloutProducer, WeightStore, weights_of
+from posttrain.recipes.rl.async_rl import AsyncRollout, Failure, GroupItem, RolloutProducer, WeightStore, weights_of
 
 
 def _ray():
@@ -59,7 +59,7 @@ class RewardWorker:
         from posttrain.recipes.rl import build_reward
 
         rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-        from posttrain.systems.async_rl import local_scorer
+        from posttrain.recipes.rl.async_rl import local_scorer
 
         self.score_fn = local_scorer(build_reward(cfg, rows))
 

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from posttrain.recipes import rl_phases as ph
+from posttrain.recipes.rl import phases as ph
 from posttrain.systems import fsdp
 
 

@@ -14,7 +14,7 @@ One step (`rl_step`) reads top to bottom; the phase names are the timer names:
 
 Only generated tokens carry loss. The phases live in rl_phases.py; the lifecycle (resume,
 checkpoints, final model, report) is shared with SFT (lifecycle.py). Under `torchrun --nproc-per-node W`
-the policy is FSDP2-sharded and the ranks share generation and the update (posttrain/systems/fsdp_rl.py).
+the policy is FSDP2-sharded and the ranks share generation and the update (posttrain/recipes/rl/sharded.py).
 """
 
 from __future__ import annotations
@@ -44,14 +44,17 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
-from posttrain.recipes import rl_phases as ph
-from posttrain.recipes.common import EpochSampler, build_optimizer, optimizer_step, progress, seed_everything
-from posttrain.recipes.lifecycle import RunLifecycle
+from posttrain.recipes.rl import phases as ph
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.optim import build_optimizer, optimizer_step
+from posttrain.training.run import progress, seed_everything
+from posttrain.training.lifecycle import RunLifecycle
 from posttrain.rewards.registry import compose
 from posttrain.rollout.trajectory import Trajectory, make_batches
-from posttrain.systems import fsdp, fsdp_rl
+from posttrain.systems import fsdp
+from posttrain.recipes.rl import sharded as fsdp_rl
 from posttrain.systems.faults import maybe_fail
-from posttrain.recipes.rl_config import RLConfig
+from posttrain.recipes.rl.config import RLConfig
 
 
 @dataclass(eq=False)
@@ -85,7 +88,7 @@ class RLRun:
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
     agent: object = None  # agentic.collect.AgentRun when cfg.env is set
-    rollout: object = None  # async RL: the trainer side of the rollout queue (systems/async_rl.py)
+    rollout: object = None  # async RL: the trainer side of the rollout queue (recipes/rl/async_rl.py)
     info: fsdp.DistInfo = field(default_factory=fsdp.DistInfo)  # torchrun's ranks (world size 1 without it)
     inner: torch.nn.Module | None = None  # sharded runs: the HF model inside the FSDP root `model`
     generator: torch.nn.Module | None = None  # sharded runs: the rollout engine's full, plain copy
@@ -127,8 +130,8 @@ def rl_step(run: RLRun, step: int) -> dict:
 def collect(run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
     """B groups of G scored samples; with dynamic sampling, groups without signal are replaced by new
     prompts (at most max_resample extra rounds; if none has signal the last round's groups are kept)."""
-    if run.agent is not None:  # multi-turn episodes (posttrain/agentic/collect.py)
-        from posttrain.agentic.collect import collect_agentic
+    if run.agent is not None:  # multi-turn episodes (posttrain/recipes/rl/agentic.py)
+        from posttrain.recipes.rl.agentic import collect_agentic
 
         return collect_agentic(run, step)
     if run.rollout is not None:  # async RL: groups from the rollout queue, staleness <= k
@@ -350,7 +353,7 @@ def setup(cfg: RLConfig) -> RLRun:
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     agent = None
     if cfg.env:  # the environment's reward replaces `reward`
-        from posttrain.agentic.collect import setup_agent
+        from posttrain.recipes.rl.agentic import setup_agent
 
         agent = setup_agent(cfg, tok, rows)
     reward_fn = build_reward(cfg, rows) if agent is None else None
@@ -368,7 +371,7 @@ def setup(cfg: RLConfig) -> RLRun:
         inner, generator = model, load_reference(model)
         model = fsdp.shard_model(model)
     if cfg.systems.pipelined:  # the rollout worker samples on its own copy; this one serves evaluation only
-        from posttrain.systems.async_rl import TrainerEngine
+        from posttrain.recipes.rl.async_rl import TrainerEngine
 
         engine = TrainerEngine(model, tok, engine_cfg)
     else:
@@ -392,7 +395,7 @@ def setup(cfg: RLConfig) -> RLRun:
             run.critic_sched.load_state_dict(state["critic_scheduler"])
         sync_engine(run)
     if cfg.systems.pipelined:
-        from posttrain.systems.async_rl import attach
+        from posttrain.recipes.rl.async_rl import attach
 
         attach(run, state)
     if life.main:
@@ -552,7 +555,7 @@ def plan_run(cfg: RLConfig, model, beta: float, tok, rows, agent=None) -> dict:
     method = "ppo" if uses_critic(rl_preset(cfg.algo)) else "grpo"
     extra = {"value_model": True} if method == "ppo" else {}
     if agent is not None:
-        from posttrain.agentic.collect import plan_inputs
+        from posttrain.recipes.rl.agentic import plan_inputs
 
         method, extra = "agent", {**extra, **plan_inputs(cfg, agent)}
     else:
@@ -567,7 +570,7 @@ def plan_run(cfg: RLConfig, model, beta: float, tok, rows, agent=None) -> dict:
 def main(argv: list[str]) -> None:
     cfg = parse_args(RLConfig, argv, prog="posttrain rl")  # a bad key or value: ConfigError, reported by the CLI
     if cfg.systems.cluster == "ray":  # the trainer runs as a Ray actor
-        from posttrain.systems.ray_cluster import train as train_on_ray
+        from posttrain.recipes.rl.ray_cluster import train as train_on_ray
 
         summary = train_on_ray(cfg)
     else:

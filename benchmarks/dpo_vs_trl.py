@@ -107,7 +107,7 @@ def main() -> None:
 
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.recipes import dpo
-    from posttrain.recipes.common import EpochSampler
+    from posttrain.training.data_order import EpochSampler
 
     n = args.batch * args.steps  # one epoch: every pair once on each side
     print(f"threads={args.threads} model={MODEL} pairs={n} batch={args.batch} steps={args.steps} warmup={args.warmup} "

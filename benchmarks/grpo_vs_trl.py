@@ -115,7 +115,7 @@ def main() -> None:
 
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.recipes import rl
-    from posttrain.recipes.common import EpochSampler
+    from posttrain.training.data_order import EpochSampler
     from posttrain.rewards.registry import compose
 
     task, equal = trl_settings(args)

@@ -9,7 +9,8 @@ from posttrain.config import parse_args
 from posttrain.data.packing import collate
 from posttrain.data.templates import render_messages
 from posttrain.models.loading import load_model
-from posttrain.recipes import lifecycle, sft
+from posttrain.recipes import sft
+from posttrain.training import lifecycle
 
 MULTI_TURN = [
     {"messages": [{"role": "system", "content": "You add numbers."}, *conv(f"{a}+{b}?", f"{a + b}", "and double?", f"{2 * (a + b)}")["messages"]]}

@@ -36,8 +36,8 @@ from posttrain.models.forward import backbone_and_head
 from posttrain.monitor.alarms import AlarmStop
 from posttrain.plan.measure import write_plan
 from posttrain.recipes import rl
-from posttrain.recipes import rl_phases as ph
-from posttrain.recipes.common import progress
+from posttrain.recipes.rl import phases as ph
+from posttrain.training.run import progress
 from posttrain.recipes.distill_teacher import chunked_backward, head_logits, position_hidden, position_logits
 from posttrain.rewards.registry import register
 from posttrain.rollout.trajectory import make_batches

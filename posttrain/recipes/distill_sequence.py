@@ -27,7 +27,7 @@ from posttrain.errors import UserError
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes import rs
-from posttrain.recipes.lifecycle import RunLifecycle
+from posttrain.training.lifecycle import RunLifecycle
 
 
 def rs_settings(cfg) -> rs.RSConfig:

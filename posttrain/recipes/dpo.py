@@ -52,9 +52,11 @@ from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured, write_plan
-from posttrain.recipes.common import EpochSampler, OptimSettings, build_optimizer, optimizer_step, progress, seed_everything
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
+from posttrain.training.run import progress, seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
-from posttrain.recipes.lifecycle import RunLifecycle
+from posttrain.training.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
 from posttrain.systems import fsdp
 from posttrain.systems.faults import maybe_fail

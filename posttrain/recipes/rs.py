@@ -39,8 +39,8 @@ from posttrain.monitor.sinks import ReportTo, report_to_field
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
-from posttrain.recipes.common import progress
-from posttrain.recipes.lifecycle import RunLifecycle
+from posttrain.training.run import progress
+from posttrain.training.lifecycle import RunLifecycle
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request

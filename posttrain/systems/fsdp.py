@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from posttrain.errors import UserError
 from posttrain.models.forward import unwrap
-from posttrain.recipes.common import optimizer_step
+from posttrain.training.optim import optimizer_step
 
 
 @dataclass(frozen=True)

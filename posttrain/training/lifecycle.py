@@ -24,7 +24,7 @@ from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.report import write_report
 from posttrain.monitor.sinks import open_sinks
-from posttrain.recipes.common import setup_run
+from posttrain.training.run import setup_run
 
 
 class RunLifecycle:

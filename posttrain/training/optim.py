@@ -1,18 +1,14 @@
-"""Pieces every recipe shares: run directory, seeding, optimizer and schedule, data order, progress."""
+"""Optimizer and learning-rate schedule every training recipe shares: AdamW settings, warmup + cosine /
+linear / constant schedule, the clipped optimizer step."""
 
 from __future__ import annotations
 
 import math
-import os
-import random
-import sys
-from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import Field
 
-from posttrain.config import Config, save_yaml
+from posttrain.config import Config
 from posttrain.errors import UserError
 
 
@@ -26,24 +22,6 @@ class OptimSettings(Config):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * min_lr_ratio")
     schedule: str = Field("cosine", pattern="^(cosine|constant|linear)$", description="cosine | linear | constant after warmup")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global gradient norm (0: no clipping)")
-
-
-def setup_run(cfg, resume: bool, write: bool = True) -> Path:
-    """Create output_dir (when `write`: rank 0 of a sharded run); refuse to overwrite a finished run unless
-    resuming (on every rank)."""
-    out = Path(cfg.output_dir)
-    if out.exists() and not resume and any(out.glob("checkpoints/step-*")):
-        raise UserError(f"{out} already holds a run with checkpoints: pass resume=true, or choose another output_dir")
-    if write:
-        out.mkdir(parents=True, exist_ok=True)
-        save_yaml(cfg, out / "config.yaml")
-    return out
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def warmup_steps(opt: OptimSettings, max_steps: int) -> int:
@@ -73,47 +51,6 @@ def build_optimizer(model, opt: OptimSettings, max_steps: int):
         optimizer = torch.optim.AdamW(params, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, opt, max_steps))
     return optimizer, scheduler
-
-
-class EpochSampler:
-    """Deterministic data order: epoch e visits items in randperm(n, seed + e). Position is resumable."""
-
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        if n == 0:
-            raise UserError("no training rows left after filtering")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.epoch, self.index = 0, 0
-        self._order = self._make_order()
-
-    def _make_order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.n))
-        g = torch.Generator().manual_seed(self.seed * 1000003 + self.epoch)
-        return torch.randperm(self.n, generator=g).tolist()
-
-    def take(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.index == self.n:
-                self.epoch, self.index = self.epoch + 1, 0
-                self._order = self._make_order()
-            out.append(self._order[self.index])
-            self.index += 1
-        return out
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self._order = self._make_order()
-
-
-def progress(total: int, initial: int, desc: str, enabled: bool = True):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled or os.environ.get("POSTTRAIN_NO_PROGRESS") == "1",
-                file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
 def optimizer_step(model, optimizer, max_grad_norm: float, scheduler=None) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""Run directory, seeding and the progress bar shared by the training recipes."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from posttrain.config import save_yaml
+from posttrain.errors import UserError
+
+
+def setup_run(cfg, resume: bool, write: bool = True) -> Path:
+    """Create output_dir (when `write`: rank 0 of a sharded run); refuse to overwrite a finished run unless
+    resuming (on every rank)."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not resume and any(out.glob("checkpoints/step-*")):
+        raise UserError(f"{out} already holds a run with checkpoints: pass resume=true, or choose another output_dir")
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        save_yaml(cfg, out / "config.yaml")
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def progress(total: int, initial: int, desc: str, enabled: bool = True):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled or os.environ.get("POSTTRAIN_NO_PROGRESS") == "1",
+                file=sys.stderr, dynamic_ncols=True, leave=True)

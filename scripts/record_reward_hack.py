@@ -20,7 +20,7 @@ from pathlib import Path
 
 from posttrain.config import parse_args
 from posttrain.recipes import rl
-from posttrain.rewards.registry import register
+from posttrain.rewards.base import register
 
 HACK = " generates"
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "tiny_reward_hack_stream.jsonl"

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from posttrain.eval import judge_prompts
-from posttrain.eval.judge import Judge, JudgeSettings, parse_pairwise, parse_score, question_text
+from posttrain.judge import prompts as judge_prompts
+from posttrain.judge.client import Judge, JudgeSettings, parse_pairwise, parse_score, question_text
 
 
 

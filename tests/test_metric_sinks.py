@@ -12,7 +12,7 @@ from conftest import run_rl
 from posttrain.config import ConfigError, parse_args
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.sinks import REQUIREMENTS, mlflow_key, open_sinks
-from posttrain.rewards.registry import register
+from posttrain.rewards.base import register
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ from conftest import run_rl
 from posttrain.config import ConfigError, parse_args
 from posttrain.recipes import rl
 from posttrain.recipes.rl import phases as ph
-from posttrain.rewards.registry import RewardError, register
+from posttrain.rewards.base import RewardError, register
 from posttrain.rollout.trajectory import Trajectory, make_batches
 
 def run(tmp_path, *overrides, name="run"):

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import COUNT_PROMPTS, run_rl
 from posttrain.recipes import rl
-from posttrain.rewards.registry import register
+from posttrain.rewards.base import register
 
 
 @register("space_share", description="test reward: share of spaces in the completion (learnable by a tiny model)")

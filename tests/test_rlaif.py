@@ -8,7 +8,8 @@ import pytest
 from conftest import write_jsonl
 from posttrain.cli import main as cli
 from posttrain.errors import UserError
-from posttrain.rewards.registry import RewardError, compose
+from posttrain.rewards.base import RewardError
+from posttrain.rewards.registry import compose
 
 
 

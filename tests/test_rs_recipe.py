@@ -11,7 +11,7 @@ from posttrain.errors import UserError
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import rs
 from posttrain.recipes.sft import SFT_FORMATS
-from posttrain.rewards.registry import register
+from posttrain.rewards.base import register
 
 
 @register("rs_first_token_even", description="test reward: 1 if the first generated token id is even")

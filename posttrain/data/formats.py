@@ -175,3 +175,20 @@ def validate(rows: list[Row], allowed: tuple[str, ...] | None = None) -> str:
 def load(source: str | Path, allowed: tuple[str, ...] | None = None) -> tuple[list[Row], str]:
     rows = read_rows(source)
     return rows, validate(rows, allowed)
+
+
+def completion_text(completion: Any) -> str:
+    """Plain string, or the content of the last assistant message of a conversation."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    if isinstance(completion, list):
+        for msg in reversed(completion):
+            if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
+                content = msg.get("content", "")
+                if isinstance(content, list):  # multimodal parts: keep the text ones
+                    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                return str(content)
+        return ""
+    return "" if completion is None else str(completion)

@@ -12,7 +12,7 @@ Sources of the two responses of a pair, per prompt (k < pairs_per_prompt):
     judge's agreement with the file's labels (e.g. human ones) is reported (Cohen's kappa too).
 Two identical responses are skipped (no preference to learn).
 
-The judge sees each pair in both orders (posttrain.eval.judge): the same winner twice gives
+The judge sees each pair in both orders (posttrain.judge.client): the same winner twice gives
 chosen/rejected; two different answers are a tie, dropped (ties=drop) or written with "tie": true
 (ties=keep: chosen/rejected then keep the a/b order and carry no preference; filter them before DPO).
 Output rows follow TRL's preference format — prompt, chosen, rejected (strings, or conversations when
@@ -32,8 +32,9 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data.formats import completion_text
 from posttrain.errors import UserError
-from posttrain.eval.judge import Judge, JudgeSettings, PairVerdict
+from posttrain.judge.client import Judge, JudgeSettings, PairVerdict
 from posttrain.rollout.settings import SamplingSettings
 
 
@@ -133,8 +134,6 @@ def pair_row(prompt, pair: tuple, v: PairVerdict) -> dict:
 
 def _gather(cfg: LabelConfig, rows) -> tuple[list, list, bool]:
     """(prompts, pairs, whether the pairs carry the file's labels) from the config's sources."""
-    from posttrain.rewards.registry import completion_text
-
     fmt = "preference" if all(k in rows[0].data for k in ("prompt", "chosen", "rejected")) else "prompt_only"
     prompts = [r.data["prompt"] for r in rows]
     if fmt == "preference":

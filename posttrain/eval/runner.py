@@ -20,10 +20,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from posttrain.data.formats import completion_text
 from posttrain.eval.metrics import cluster_answers, group_answers
 from posttrain.eval.prompts import Item
 from posttrain.rewards import extract
-from posttrain.rewards.registry import completion_text
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request, RequestOutput
 

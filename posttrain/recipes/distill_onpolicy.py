@@ -39,7 +39,7 @@ from posttrain.recipes import rl
 from posttrain.recipes.rl import phases as ph
 from posttrain.training.run import progress
 from posttrain.recipes.distill_teacher import chunked_backward, head_logits, position_hidden, position_logits
-from posttrain.rewards.registry import register
+from posttrain.rewards.base import register
 from posttrain.rollout.trajectory import make_batches
 
 NO_REWARD = "none"

@@ -25,7 +25,7 @@ from pydantic import Field
 from posttrain.config import Config, parse_args
 from posttrain.data.preference import Pair, load_pairs
 from posttrain.rewards import probe_stats as st
-from posttrain.rewards.registry import completion_text
+from posttrain.data.formats import completion_text
 from posttrain.rollout.settings import SamplingSettings
 
 

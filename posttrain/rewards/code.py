@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import re
 
+from posttrain.rewards.base import RewardError, completion_text, register
 from posttrain.rewards.pool import default_pool
-from posttrain.rewards.registry import RewardError, completion_text, register
+from posttrain.rewards.remote import SandboxFusionClient
+from posttrain.rewards.sandbox import Limits, Sandbox, outputs_match
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 
@@ -30,20 +32,11 @@ def extract_code(text: str) -> str:
     return (py or [b for _, b in blocks])[-1]
 
 
-def outputs_match(got: str, expected: str) -> bool:
-    norm = lambda s: "\n".join(line.rstrip() for line in s.strip().splitlines())  # noqa: E731
-    return norm(got) == norm(expected)
-
-
 def run_sample(code: str, tests, stdio, limits: dict, sandbox_opts: dict, backend: str = "local",
                url: str | None = None) -> dict:
     """Worker task: {"passed", "total", "status", "isolation"}."""
     if backend == "remote":
-        from posttrain.rewards.remote import SandboxFusionClient
-
         return SandboxFusionClient(url, timeout=limits.get("wall_s", 10.0)).run_sample(code, tests, stdio)
-    from posttrain.rewards.sandbox import Limits, Sandbox
-
     sb = Sandbox(Limits(**limits), **sandbox_opts)
     if stdio is not None:
         passed, status, iso = 0, "ok", {}

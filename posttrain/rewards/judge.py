@@ -30,8 +30,8 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from posttrain.errors import UserError
-from posttrain.eval.judge import Judge, JudgeSettings, JudgeStats
-from posttrain.rewards.registry import RewardError, completion_text, register
+from posttrain.judge.client import Judge, JudgeSettings, JudgeStats
+from posttrain.rewards.base import RewardError, completion_text, register
 
 
 class JudgeRewardOptions(JudgeSettings):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from posttrain.rewards.registry import completion_text, register
+from posttrain.rewards.base import completion_text, register
 
 _LANG_SCRIPT = {
     "en": "latin", "fr": "latin", "de": "latin", "es": "latin", "it": "latin", "pt": "latin", "nl": "latin",

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from posttrain.rewards import extract
 from posttrain.rewards.pool import default_pool
-from posttrain.rewards.registry import RewardError, completion_text, register
+from posttrain.rewards.base import RewardError, completion_text, register
 
 try:  # the `math` extra
     import math_verify  # noqa: F401

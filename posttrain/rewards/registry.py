@@ -6,9 +6,11 @@ Every reward has the signature of TRL's reward functions:
 
 `completions` may be strings or conversations (`[{"role", "content"}, ...]`); `completion_text`
 takes the last assistant message. Extra dataset columns (`answer`, `tests`, ...) arrive as keyword
-arguments, one list per column. Register your own:
+arguments, one list per column. Register your own with `posttrain.rewards.base.register` (the table,
+`register`, `RewardSpec` and `RewardError` live there, below the built-in rewards that register
+themselves; this module imports those and looks names up):
 
-    from posttrain.rewards.registry import register
+    from posttrain.rewards.base import completion_text, register
     @register("shout", columns=())
     def shout(prompts, completions, **kw):
         return [float(completion_text(c).isupper()) for c in completions]
@@ -40,110 +42,37 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import posttrain.rewards.code  # noqa: F401
+import posttrain.rewards.format  # noqa: F401
+import posttrain.rewards.judge  # noqa: F401
+import posttrain.rewards.language  # noqa: F401
+import posttrain.rewards.math  # noqa: F401
+import posttrain.rewards.shaping  # noqa: F401 - importing the built-ins registers them
 from posttrain.errors import UserError
+from posttrain.rewards.base import REGISTRY, RewardError, RewardFn, RewardSpec
 
-RewardFn = Callable[..., list]
-
-
-@dataclass
-class RewardSpec:
-    name: str
-    fn: RewardFn
-    columns: tuple[str, ...] = ()  # dataset columns the reward needs (any one of a tuple-of-alternatives entry)
-    description: str = ""
-    factory: Callable[..., RewardFn] | None = None  # builds a configured variant: factory(**options)
-    source: str = ""  # the file a user's reward was loaded from ("" for registered ones)
-
-    def build(self, options: dict | None = None) -> RewardFn:
-        if not options and not getattr(self.fn, "needs_options", False):  # needs_options: only the factory builds it (judge)
-            return self.fn
-        if self.factory is None:
-            raise UserError(f"reward '{self.name}' takes no options (got {sorted(options)})")
-        try:
-            return self.factory(**(options or {}))
-        except TypeError as e:
-            raise UserError(f"reward '{self.name}': bad options {options}: {e}") from None
-
-
-_REGISTRY: dict[str, RewardSpec] = {}
 _FILE_REWARDS: dict[str, RewardSpec] = {}  # 'file.py:function' -> the most recently loaded one
 _MODULES: dict[Path, ModuleType] = {}  # resolved path -> module: each file is executed once
 
 
-class RewardError(UserError):
-    """A reward raised or returned a non-finite value. `errors`: [(sample index or None, message)]."""
-
-    def __init__(self, reward: str, errors: list[tuple[int | None, str]], values: list | None = None,
-                 samples: list | None = None):
-        self.reward, self.errors, self.values = reward, errors, values
-        lines = []
-        for i, msg in errors[:5]:
-            where = f"sample {i}" if i is not None else "batch"
-            shown = ""
-            if samples is not None and i is not None and i < len(samples):
-                shown = f" (completion: {completion_text(samples[i])[:120]!r})"
-            lines.append(f"reward '{reward}' failed on {where}{shown}: {msg.strip().splitlines()[0] if msg.strip() else msg}")
-        more = f"\n... and {len(errors) - 5} more" if len(errors) > 5 else ""
-        super().__init__("\n".join(lines) + more)
-
-
-def register(name: str, *, columns: tuple[str, ...] = (), description: str | None = None,
-             factory: Callable[..., RewardFn] | None = None):
-    """Decorator: add `fn` to the registry under `name` (overwrites on purpose: users may replace).
-    `columns`: dataset columns the reward reads; `factory(**options)` builds configured variants."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        doc = description or (fn.__doc__ or "").strip().split("\n")[0]
-        _REGISTRY[name] = RewardSpec(name, fn, tuple(columns), doc, factory)
-        return fn
-
-    return deco
-
-
-def _load_builtins() -> None:
-    # importing the modules registers their rewards
-    from posttrain.rewards import code, format, language, shaping  # noqa: F401
-    from posttrain.rewards import math as _math  # noqa: F401
-    from posttrain.rewards import judge  # noqa: F401
-
-
 def get(name: str) -> RewardSpec:
     """A registered reward, or a file reward already loaded by `parse_spec`/`load_file_reward`."""
-    _load_builtins()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
+    if name in REGISTRY:
+        return REGISTRY[name]
     if name in _FILE_REWARDS:
         return _FILE_REWARDS[name]
     if name.startswith("rm:"):  # a trained reward-model folder: rm:PATH (rewards/reward_model.py)
         from posttrain.rewards.reward_model import reward_model_spec
 
         return reward_model_spec(name)
-    close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+    close = difflib.get_close_matches(name, list(REGISTRY), n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise UserError(f"unknown reward '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))}; "
+    raise UserError(f"unknown reward '{name}'{hint} (known: {', '.join(sorted(REGISTRY))}; "
                     "or a function in your file: path/to/file.py:function)")
 
 
 def names() -> list[str]:
-    _load_builtins()
-    return sorted(_REGISTRY)
-
-
-def completion_text(completion: Any) -> str:
-    """Plain string, or the content of the last assistant message of a conversation."""
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, dict):
-        return str(completion.get("content", ""))
-    if isinstance(completion, list):
-        for msg in reversed(completion):
-            if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
-                content = msg.get("content", "")
-                if isinstance(content, list):  # multimodal parts: keep the text ones
-                    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-                return str(content)
-        return ""
-    return "" if completion is None else str(completion)
+    return sorted(REGISTRY)
 
 
 def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:

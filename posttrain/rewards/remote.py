@@ -18,6 +18,8 @@ import secrets
 import urllib.error
 import urllib.request
 
+from posttrain.rewards.sandbox import outputs_match
+
 
 class SandboxFusionClient:
     def __init__(self, url: str, timeout: float = 10.0, language: str = "python", retries: int = 2):
@@ -39,8 +41,6 @@ class SandboxFusionClient:
 
     def run_sample(self, code: str, tests, stdio) -> dict:
         """Same result shape as code.run_sample: {"passed", "total", "status", "isolation"}."""
-        from posttrain.rewards.code import outputs_match
-
         iso = {"net": "remote", "service": self.url}
         if stdio is not None:
             passed = 0

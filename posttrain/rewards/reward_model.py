@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from posttrain.errors import UserError
+from posttrain.rewards.base import RewardSpec
 
 PREFIX = "rm:"
 
@@ -104,8 +105,6 @@ _SPECS: dict = {}
 
 def reward_model_spec(name: str):
     """The RewardSpec of 'rm:PATH' (one per path; the folder is checked now, the model loads when first called)."""
-    from posttrain.rewards.registry import RewardSpec
-
     path = name[len(PREFIX):]
     if not path:
         raise UserError("reward 'rm:' needs the reward model's folder: rm:runs/rm/final")

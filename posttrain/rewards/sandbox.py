@@ -76,6 +76,13 @@ class RunResult:
         return asdict(self)
 
 
+def outputs_match(got: str, expected: str) -> bool:
+    """A program's stdout against a stdio case's expected output, trailing spaces and outer blank lines ignored
+    (the local sandbox's runs and the remote service's are compared alike)."""
+    norm = lambda s: "\n".join(line.rstrip() for line in s.strip().splitlines())  # noqa: E731
+    return norm(got) == norm(expected)
+
+
 def _world_readable(path: str) -> bool:
     """True if a uid with no rights other than 'other' can read `path` (all parents o+x)."""
     p = Path(path).resolve()

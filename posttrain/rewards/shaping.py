@@ -14,7 +14,7 @@ characters with unit="chars". `overlong_defaults(max_new_tokens)` gives DAPO's p
 
 from __future__ import annotations
 
-from posttrain.rewards.registry import completion_text, register
+from posttrain.rewards.base import completion_text, register
 
 
 def overlong_penalty(length: int, max_len: int, cache_len: int) -> float:

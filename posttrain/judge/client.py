@@ -7,7 +7,7 @@
 Pairwise judging asks twice, once in each order (position swap, Zheng et al. 2023 "Judging LLM-as-a-Judge
 with MT-Bench and Chatbot Arena"): the same winner both times is a win, two different answers are a tie
 (the judge followed the position, not the content). Prompts are frozen and versioned
-(`posttrain.eval.judge_prompts`); every verdict records the version and a hash of its text.
+(`posttrain.judge.prompts`); every verdict records the version and a hash of its text.
 
 Replies are parsed strictly (`parse_pairwise`, `parse_score`). A malformed reply, a timeout, a dropped
 connection, HTTP 429 or 5xx is retried (`retries` more times; malformed replies are re-asked at
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pydantic import Field, field_validator
 
 from posttrain.config import Config
+from posttrain.data.formats import completion_text
 from posttrain.errors import UserError
-from posttrain.eval import judge_prompts
-from posttrain.rewards.registry import completion_text
+from posttrain.judge import prompts as judge_prompts
 
 
 class JudgeSettings(Config):
@@ -41,7 +41,7 @@ class JudgeSettings(Config):
     base_url: str = Field("", description="OpenAI-compatible endpoint up to /v1, e.g. http://127.0.0.1:8000/v1 (what `posttrain serve` prints)")
     model: str = Field("", description="model name sent to the endpoint; '' = the first one its /models lists")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key, sent as a Bearer token (unset: no key)")
-    pairwise_prompt: str = Field("pairwise-v1", description="frozen pairwise prompt version (posttrain.eval.judge_prompts): pairwise-v1 | pairwise-direct-v1")
+    pairwise_prompt: str = Field("pairwise-v1", description="frozen pairwise prompt version (posttrain.judge.prompts): pairwise-v1 | pairwise-direct-v1")
     score_prompt: str = Field("score-v1", description="frozen rubric-scoring prompt version: score-v1 | score-direct-v1")
     temperature: float = Field(0.0, ge=0, description="judge sampling temperature of the first attempt (0 = greedy)")
     retry_temperature: float = Field(0.7, ge=0, description="temperature of the retries after a malformed reply (a greedy judge would repeat it)")

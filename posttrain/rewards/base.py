@@ -1,0 +1,78 @@
+"""What every reward module needs, and nothing that needs them: the registry's table and `register`,
+`RewardSpec`, `RewardError`, and `completion_text` (from posttrain.data.formats).
+
+The built-in rewards (code, format, judge, language, math, shaping) import this module to register
+themselves; `posttrain.rewards.registry` imports them and does the lookup, file rewards and composition.
+Register your own:
+
+    from posttrain.rewards.base import completion_text, register
+
+    @register("shout", columns=())
+    def shout(prompts, completions, **kw):
+        return [float(completion_text(c).isupper()) for c in completions]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from posttrain.data.formats import completion_text
+from posttrain.errors import UserError
+
+__all__ = ["REGISTRY", "RewardError", "RewardFn", "RewardSpec", "completion_text", "register"]
+
+RewardFn = Callable[..., list]
+
+
+@dataclass
+class RewardSpec:
+    name: str
+    fn: RewardFn
+    columns: tuple[str, ...] = ()  # dataset columns the reward needs (any one of a tuple-of-alternatives entry)
+    description: str = ""
+    factory: Callable[..., RewardFn] | None = None  # builds a configured variant: factory(**options)
+    source: str = ""  # the file a user's reward was loaded from ("" for registered ones)
+
+    def build(self, options: dict | None = None) -> RewardFn:
+        if not options and not getattr(self.fn, "needs_options", False):  # needs_options: only the factory builds it (judge)
+            return self.fn
+        if self.factory is None:
+            raise UserError(f"reward '{self.name}' takes no options (got {sorted(options)})")
+        try:
+            return self.factory(**(options or {}))
+        except TypeError as e:
+            raise UserError(f"reward '{self.name}': bad options {options}: {e}") from None
+
+
+REGISTRY: dict[str, RewardSpec] = {}  # name -> spec; filled by `register`
+
+
+class RewardError(UserError):
+    """A reward raised or returned a non-finite value. `errors`: [(sample index or None, message)]."""
+
+    def __init__(self, reward: str, errors: list[tuple[int | None, str]], values: list | None = None,
+                 samples: list | None = None):
+        self.reward, self.errors, self.values = reward, errors, values
+        lines = []
+        for i, msg in errors[:5]:
+            where = f"sample {i}" if i is not None else "batch"
+            shown = ""
+            if samples is not None and i is not None and i < len(samples):
+                shown = f" (completion: {completion_text(samples[i])[:120]!r})"
+            lines.append(f"reward '{reward}' failed on {where}{shown}: {msg.strip().splitlines()[0] if msg.strip() else msg}")
+        more = f"\n... and {len(errors) - 5} more" if len(errors) > 5 else ""
+        super().__init__("\n".join(lines) + more)
+
+
+def register(name: str, *, columns: tuple[str, ...] = (), description: str | None = None,
+             factory: Callable[..., RewardFn] | None = None):
+    """Decorator: add `fn` to the registry under `name` (overwrites on purpose: users may replace).
+    `columns`: dataset columns the reward reads; `factory(**options)` builds configured variants."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        doc = description or (fn.__doc__ or "").strip().split("\n")[0]
+        REGISTRY[name] = RewardSpec(name, fn, tuple(columns), doc, factory)
+        return fn
+
+    return deco

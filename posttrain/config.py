@@ -12,13 +12,12 @@ valid key. `describe(cls)` renders the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from posttrain.monitor.sinks import ReportTo, report_to_field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 
 class ConfigError(ValueError):
@@ -29,6 +28,58 @@ class Config(BaseModel):
     """Base of every config: unknown keys are refused, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+# ---------------------------------------------------------------- report_to (the sinks themselves: monitor/sinks.py)
+
+# metric sink (posttrain/monitor/sinks.py) -> (module that must be importable, pip extra of posttrain that installs it)
+SINK_REQUIREMENTS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "wandb": ("wandb", "wandb"),
+    "trackio": ("trackio", "trackio"),
+    "mlflow": ("mlflow", "mlflow"),
+}
+REPORT_TO_HELP = ("metric sinks beside metrics.jsonl: none | tensorboard | wandb | trackio | mlflow, or a comma list "
+                  "(tensorboard,wandb); each needs its extra, e.g. pip install 'posttrain[tensorboard]'")
+
+
+def report_to_field() -> Any:
+    """The `report_to` key of every recipe config (one default, one help text)."""
+    return Field("none", description=REPORT_TO_HELP)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
+        return False
+
+
+def parse_report_to(value: Any) -> str:
+    """'none' | 'a,b' | ['a', 'b'] -> canonical 'a,b' (order kept, duplicates dropped) or 'none'.
+    Unknown names and missing libraries raise ValueError (pydantic turns it into a ConfigError)."""
+    if value is None:
+        return "none"
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names = list(dict.fromkeys(str(x).strip().lower() for x in items if str(x).strip()))
+    if not names or names == ["none"]:
+        return "none"
+    for name in names:
+        if name == "none":
+            raise ValueError("'none' cannot be combined with other sinks")
+        if name not in SINK_REQUIREMENTS:
+            close = difflib.get_close_matches(name, list(SINK_REQUIREMENTS), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"unknown sink '{name}' (choose from none, {', '.join(SINK_REQUIREMENTS)}){hint}")
+        module, extra = SINK_REQUIREMENTS[name]
+        if not _installed(module):
+            raise ValueError(f"report_to={name} needs the '{module}' package, which is not installed: "
+                             f"pip install 'posttrain[{extra}]'")
+    return ",".join(names)
+
+
+# the type of every `report_to` key: checked (names, installed libraries) when the config is parsed
+ReportTo = Annotated[str, BeforeValidator(parse_report_to)]
 
 
 class CommonConfig(Config):

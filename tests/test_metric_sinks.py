@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import run_rl
-from posttrain.config import ConfigError, parse_args
+from posttrain.config import SINK_REQUIREMENTS, ConfigError, parse_args
 from posttrain.monitor.metrics import MetricsWriter
-from posttrain.monitor.sinks import REQUIREMENTS, mlflow_key, open_sinks
+from posttrain.monitor.sinks import mlflow_key, open_sinks
 from posttrain.rewards.base import register
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +78,7 @@ def test_every_recipe_takes_report_to_and_checks_it_at_parse_time(recipe, monkey
         parse_args(cls, ["report_to=tensorbord"])
     with pytest.raises(ConfigError, match="'none' cannot be combined"):
         parse_args(cls, ["report_to=none,tensorboard"])
-    for name, (mod, extra) in REQUIREMENTS.items():  # each library missing: the error names the extra
+    for name, (mod, extra) in SINK_REQUIREMENTS.items():  # each library missing: the error names the extra
         monkeypatch.setitem(sys.modules, mod, None)
         with pytest.raises(ConfigError, match=rf"report_to={name} needs the '{mod}' package.*pip install 'posttrain\[{extra}\]'"):
             parse_args(cls, [f"report_to=tensorboard,{name}" if name != "tensorboard" else "report_to=tensorboard"])
@@ -98,7 +98,7 @@ def test_extras_are_declared_for_every_sink():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert all(extra in extras for _, extra in REQUIREMENTS.values())
+    assert all(extra in extras for _, extra in SINK_REQUIREMENTS.values())
     assert any(dep.startswith("tensorboard") for dep in extras["dev"])  # so CI runs the TensorBoard tests
 
 
@@ -241,3 +241,9 @@ def test_trackio_local_store(tmp_path, monkeypatch):
     assert [(r["step"], r["reward/mean"], r["eval/pass@1"]) for r in logs] == [(1, 0.25, 0.5), (2, 0.5, 0.5), (3, 0.75, 0.5)]
     assert SQLiteStorage.get_run_config("posttrain", tmp_path.name)["optim"] == {"lr": 0.1}
     assert str(SQLiteStorage.get_project_db_path("posttrain")).startswith(str(tmp_path / "trackio"))
+
+
+def test_the_names_report_to_accepts_are_the_sinks_there_are():
+    from posttrain.monitor.sinks import SINKS
+
+    assert set(SINK_REQUIREMENTS) == set(SINKS)  # the names live in config.py, the classes in monitor/sinks.py

@@ -12,13 +12,13 @@ Each sink is a small class behind a registry (`SINKS`), opened with the run dire
     trackio      local store, TRACKIO_DIR (default <run_dir>/trackio when trackio is first imported here)
     mlflow       MLFLOW_TRACKING_URI (default a SQLite store, <run_dir>/mlflow.db); run id kept in <run_dir>/mlflow_run_id
 
-A missing library is reported when the config is parsed (before any model loads), naming the extra to install.
+A missing library is reported when the config is parsed (before any model loads), naming the extra to install:
+the `report_to` key's names and checks (`ReportTo`, `SINK_REQUIREMENTS`) are in posttrain/config.py, where every
+recipe config gets the key.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib.util
 import json
 import os
 import re
@@ -27,58 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Callable, Protocol
-
-from pydantic import BeforeValidator, Field
-
-# sink name -> (module that must be importable, pip extra of posttrain that installs it)
-REQUIREMENTS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "wandb": ("wandb", "wandb"),
-    "trackio": ("trackio", "trackio"),
-    "mlflow": ("mlflow", "mlflow"),
-}
-REPORT_TO_HELP = ("metric sinks beside metrics.jsonl: none | tensorboard | wandb | trackio | mlflow, or a comma list "
-                  "(tensorboard,wandb); each needs its extra, e.g. pip install 'posttrain[tensorboard]'")
-
-
-def report_to_field() -> Any:
-    """The `report_to` key of every recipe config (one default, one help text)."""
-    return Field("none", description=REPORT_TO_HELP)
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package missing, or a module set to None in sys.modules
-        return False
-
-
-def parse_report_to(value: Any) -> str:
-    """'none' | 'a,b' | ['a', 'b'] -> canonical 'a,b' (order kept, duplicates dropped) or 'none'.
-    Unknown names and missing libraries raise ValueError (pydantic turns it into a ConfigError)."""
-    if value is None:
-        return "none"
-    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
-    names = list(dict.fromkeys(str(x).strip().lower() for x in items if str(x).strip()))
-    if not names or names == ["none"]:
-        return "none"
-    for name in names:
-        if name == "none":
-            raise ValueError("'none' cannot be combined with other sinks")
-        if name not in REQUIREMENTS:
-            close = difflib.get_close_matches(name, list(REQUIREMENTS), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ValueError(f"unknown sink '{name}' (choose from none, {', '.join(REQUIREMENTS)}){hint}")
-        module, extra = REQUIREMENTS[name]
-        if not _installed(module):
-            raise ValueError(f"report_to={name} needs the '{module}' package, which is not installed: "
-                             f"pip install 'posttrain[{extra}]'")
-    return ",".join(names)
-
-
-# the type of every `report_to` key: checked (names, installed libraries) when the config is parsed
-ReportTo = Annotated[str, BeforeValidator(parse_report_to)]
+from typing import Callable, Protocol
 
 
 def sink_names(report_to: str) -> list[str]:

@@ -35,7 +35,7 @@ from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
-from posttrain.monitor.sinks import ReportTo, report_to_field
+from posttrain.config import ReportTo, report_to_field
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig

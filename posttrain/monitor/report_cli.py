@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 
 from posttrain.errors import UserError
+from posttrain.monitor.quickstart_report import write_quickstart_report
+from posttrain.monitor.report import write_report
 
 
 def rebuild(run_dir: str | Path) -> Path:
-    from posttrain.monitor.report import write_report
-    from posttrain.recipes.quickstart_report import write_quickstart_report
-
     d = Path(run_dir)
     if (d / "compare.json").is_file() and (d / "eval_before").is_dir():
         return write_quickstart_report(d)

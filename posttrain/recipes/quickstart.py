@@ -106,7 +106,7 @@ def run_rl_stage(cfg: rl_recipe.RLConfig, eval_s: float) -> dict:
 
 def main(argv: list[str]) -> None:
     from posttrain.eval.compare import compare, print_comparison
-    from posttrain.recipes.quickstart_report import machine, write_quickstart_report
+    from posttrain.monitor.quickstart_report import machine, write_quickstart_report
 
     args = ["--config", str(CONFIG)] if CONFIG.is_file() else []
     cfg = parse_args(QuickstartConfig, [*args, *argv], prog="posttrain quickstart")

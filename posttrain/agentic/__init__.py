@@ -7,7 +7,9 @@
     search.py     a mock search over a local document set
     formats.py    tool calls in the chat template's format (Hermes `<tool_call>`) or a `<tool>` tag
     rollout.py    many episodes in flight on the built-in engine; token ids concatenated turn by turn
-    collect.py    the RL recipe's collect phase for `posttrain rl env=...`
-    eval.py       `posttrain eval env=...`: success, pass^k, turns, tool calls, env vs model time
+    episodes.py   an agent run's set-up (env + tool format, checked per row), agent/* metrics, episodes rendered
     demos.py      tool-use demonstrations for an SFT warm-up
+
+Built on these: `posttrain rl env=...` (posttrain/recipes/rl/agentic.py) and `posttrain eval env=...`
+(posttrain/eval/agentic.py: success, pass^k, turns, tool calls, env vs model time).
 """

@@ -20,8 +20,8 @@ from posttrain.config import parse_args
 from posttrain.eval import protocol as P
 from posttrain.eval.config import EvalConfig
 from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
-from posttrain.eval.results import curve, item_record, item_values, summarize
-from posttrain.eval.runner import extraction_settings, generate_and_score
+from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize
+from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend
 
 FORMAT = "posttrain.eval/1"
 
@@ -61,16 +61,6 @@ def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: lis
     }
 
 
-def make_backend(cfg: EvalConfig):
-    from posttrain.rollout.cli import GenerateConfig
-    from posttrain.rollout.cli import make_backend as build
-
-    gen = GenerateConfig(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-                         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb)
-    backend, _ = build(gen, cfg.model)
-    return backend
-
-
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate; write results.json and report.html; return the results."""
     from posttrain.eval.report import write_eval_report
@@ -98,14 +88,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     return doc
 
 
-def print_metrics(doc: dict) -> None:
-    """One line per metric: value [low, high] at the results' confidence (and the interval's method)."""
-    pct = round(100 * doc["confidence"])
-    for name, m in doc["metrics"].items():
-        how = f"  ({m['interval']})" if "interval" in m else ""
-        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%{how}")
-
-
 def print_summary(doc: dict, out_dir: str) -> None:
     c = doc["counts"]
     print(f"{c['items']} problems x {doc['protocol']['n']} samples ({doc['protocol']['model']['name']}, {doc['protocol']['data']['source']})")
@@ -124,8 +106,8 @@ def main(argv: list[str]) -> int | None:
         from posttrain.eval.compare import main as compare_main
 
         return compare_main(argv[1:])
-    if any(a.startswith("env=") for a in argv):  # multi-turn episodes with tools (posttrain/agentic/eval.py)
-        from posttrain.agentic.eval import main as agent_main
+    if any(a.startswith("env=") for a in argv):  # multi-turn episodes with tools (posttrain/eval/agentic.py)
+        from posttrain.eval.agentic import main as agent_main
 
         return agent_main(argv)
     if argv and argv[0] == "contamination":

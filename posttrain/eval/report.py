@@ -46,7 +46,7 @@ def plot_curve(doc: dict, out_dir: Path) -> str | None:
     return "passk.png"
 
 
-def _metrics_table(doc: dict) -> str:
+def metrics_table(doc: dict) -> str:
     head = "<tr><th>metric</th><th>value</th><th>low</th><th>high</th><th>interval</th></tr>"
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{m['value']:.4f}</td><td>{m['low']:.4f}</td><td>{m['high']:.4f}</td>"
                    f"<td>{html.escape(m['interval'])}</td></tr>" for k, m in doc["metrics"].items())
@@ -85,7 +85,7 @@ def write_eval_report(out_dir: str | Path, doc: dict, samples: int = 3) -> Path:
     proto["chat_template"] = {k: v for k, v in doc["protocol"]["chat_template"].items() if k != "text"}
     title = f"eval — {doc['protocol']['model']['name']} on {doc['protocol']['data']['source']}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{STYLE}</style></head>
-<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{_metrics_table(doc)}{f'<img src="{plot}" alt="pass@k">' if plot else ''}
+<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{metrics_table(doc)}{f'<img src="{plot}" alt="pass@k">' if plot else ''}
 <h2>Counts and timing</h2>{_table({**doc['counts'], **doc['timing']})}<h2>Protocol</h2>{_table(proto)}
 <h2>Problems</h2>{_items_table(doc)}<h2>Samples</h2>{_samples(doc, samples)}</body></html>"""
     path = out_dir / "report.html"

@@ -85,3 +85,11 @@ def item_record(r: ItemResult, values: dict, save_samples: bool) -> dict:
     if save_samples:
         rec["samples"] = [{"text": s.text, "tokens": s.tokens, "finish_reason": s.finish_reason} for s in r.samples]
     return rec
+
+
+def print_metrics(doc: dict) -> None:
+    """One line per metric: value [low, high] at the results' confidence (and the interval's method)."""
+    pct = round(100 * doc["confidence"])
+    for name, m in doc["metrics"].items():
+        how = f"  ({m['interval']})" if "interval" in m else ""
+        print(f"  {name:10s} {m['value']:.4f}  [{m['low']:.4f}, {m['high']:.4f}] {pct}%{how}")

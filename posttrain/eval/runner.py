@@ -208,3 +208,14 @@ def generate_and_score(backend, items: list[Item], reward_fn, sampling: Sampling
               "scoring_busy_s": scorer.busy_s, "generated_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
               "samples_per_s": len(items) * n / wall if wall else 0.0}
     return results, {**timing, **scorer.counts}
+
+
+def make_backend(cfg):
+    """The generation backend an eval config names (backend, dtype, device, engine sizes): rollout.cli's builder."""
+    from posttrain.rollout.cli import GenerateConfig
+    from posttrain.rollout.cli import make_backend as build
+
+    gen = GenerateConfig(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+                         max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb)
+    backend, _ = build(gen, cfg.model)
+    return backend

@@ -19,9 +19,18 @@ from pathlib import Path
 
 from pydantic import Field
 
+from posttrain.agentic.episodes import episode_metrics, render_episode, setup_agent
+from posttrain.agentic.rollout import new_episodes, run_episodes
 from posttrain.agentic.settings import AgentSettings
 from posttrain.config import Config, parse_args
 from posttrain.errors import UserError
+from posttrain.eval import metrics as M
+from posttrain.eval import protocol as P
+from posttrain.eval.config import default_ks, parse_ks
+from posttrain.eval.prompts import load_rows
+from posttrain.eval.report import metrics_table
+from posttrain.eval.results import print_metrics, summarize
+from posttrain.eval.runner import make_backend
 from posttrain.rollout.settings import SamplingSettings
 
 FORMAT = "posttrain.eval/1"
@@ -54,8 +63,6 @@ class AgentEvalConfig(Config):
 
     @property
     def ks(self) -> list[int]:
-        from posttrain.eval.config import default_ks, parse_ks
-
         ks = parse_ks(self.k) or default_ks(self.n)
         if max(ks) > self.n:
             raise UserError(f"k={max(ks)} > n={self.n}: pass@k needs at least k episodes per problem")
@@ -63,8 +70,6 @@ class AgentEvalConfig(Config):
 
 
 def item_values(rewards: list[float | None], threshold: float, ks: list[int]) -> dict:
-    from posttrain.eval import metrics as M
-
     correct = [r is not None and r >= threshold for r in rewards]
     n, c = len(correct), sum(correct)
     out: dict = {"c": c, "n": n}
@@ -75,13 +80,7 @@ def item_values(rewards: list[float | None], threshold: float, ks: list[int]) ->
 
 
 def run_agent_eval(cfg: AgentEvalConfig) -> dict:
-    from posttrain.agentic.collect import episode_metrics, render_episode, setup_agent
-    from posttrain.agentic.rollout import new_episodes, run_episodes
-    from posttrain.eval import protocol as P
-    from posttrain.eval.cli import make_backend
-    from posttrain.eval.prompts import load_rows
-    from posttrain.eval.results import summarize
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.loading import load_tokenizer  # transformers: loaded when a run starts, not with the CLI
 
     ks = cfg.ks
     tok = load_tokenizer(cfg.model)
@@ -145,8 +144,6 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-
 
 
 def write_report(out: Path, doc: dict) -> Path:
-    from posttrain.eval.report import _metrics_table
-
     a = doc["agent"]
     scalars = "".join(f"<tr><th>{html.escape(k)}</th><td>{v if not isinstance(v, float) else f'{v:.4g}'}</td></tr>"
                       for k, v in a.items() if not isinstance(v, dict))
@@ -161,7 +158,7 @@ def write_report(out: Path, doc: dict) -> Path:
                    f"{html.escape(e['finish_reason'])}</h3><pre class=m0>{html.escape(e['prompt'][-500:])}</pre><pre>{body}</pre>")
     title = f"agentic eval — {doc['protocol']['model']['name']} in {doc['protocol']['reward']['spec']}"
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{STYLE}</style></head>"
-            f"<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{_metrics_table(doc)}<h2>Episodes</h2><table>{scalars}</table>"
+            f"<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{metrics_table(doc)}<h2>Episodes</h2><table>{scalars}</table>"
             f"{hists}<h2>Time</h2><table>{timing}</table><h2>Episodes turn by turn</h2>"
             f"<p>green: the model's own tokens (loss mask 1); grey: prompt, template glue and tool outputs (mask 0)</p>"
             f"{''.join(eps)}</body></html>")
@@ -173,8 +170,6 @@ def write_report(out: Path, doc: dict) -> Path:
 def main(argv: list[str]) -> int:
     cfg = parse_args(AgentEvalConfig, argv, prog="posttrain eval env=...")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_agent_eval(cfg)
-    from posttrain.eval.cli import print_metrics
-
     print(f"{doc['counts']['items']} problems x {cfg.n} episodes ({cfg.model}, env {cfg.env}, tools via {doc['protocol']['tool_format']})")
     print_metrics(doc)
     a = doc["agent"]

@@ -76,7 +76,10 @@ class _Run:
     dynamic = False
 
     def __init__(self):
+        from posttrain.monitor.metrics import PhaseTimer
+
         self.model = torch.nn.Linear(2, 2)
+        self.timer = PhaseTimer()
 
 
 def _rollout(items, k=1, B=2):
@@ -232,7 +235,7 @@ def test_long_tail_async_is_faster(tmp_path):
     """Acceptance 3 (small): heavy-tailed lengths on a simulated device (20 ms per engine step); the
     same 6 steps finish sooner asynchronously (k = 2). The device time dominates (sleeps, not CPU),
     so the ordering holds on a loaded machine; the benchmark (benchmarks/async_longtail.py) prints more."""
-    from posttrain.systems.simulate import compare_sync_async
+    from simulated_device import compare_sync_async
 
     res = compare_sync_async(["model=tiny-random", "data=single_digit_add:40", "reward=space_share", "beta=0",
                               "prompts_per_step=4", "group_size=2", "max_new_tokens=40", "max_steps=6",

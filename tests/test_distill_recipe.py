@@ -63,8 +63,9 @@ def plain_logprobs(model, ids):
 def test_logit_two_token_example_by_hand():
     # two loss tokens, V = 3, k = 1. Position 1: P = (.5, .3, .2) -> P̄ = (.5 | .5), Q = (.2, .6, .2) -> Q̄ = (.2 | .8).
     # Position 2: P = (.1, .7, .2) -> top-1 is id 1: P̄ = (.7 | .3), Q = (.25, .5, .25) -> Q̄ = (.5 | .5).
-    from posttrain.recipes.distill import DistillConfig, logit_token_losses
-    from posttrain.recipes.distill_cache import topk_with_tail
+    from posttrain.recipes.distill.cache import topk_with_tail
+    from posttrain.recipes.distill.config import DistillConfig
+    from posttrain.recipes.distill.logit import logit_token_losses
 
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.7, 0.2]])
     q = torch.tensor([[0.2, 0.6, 0.2], [0.25, 0.5, 0.25]])
@@ -86,7 +87,7 @@ def test_cache_rows_are_the_teachers_coarsened_distribution(tmp_path, teacher_di
     # KL read from the cache equals the KL of the coarsened distributions computed from full logits.
     from posttrain.data.templates import render_row
     from posttrain.models.loading import load_model
-    from posttrain.recipes import distill_cache
+    from posttrain.recipes.distill import cache as distill_cache
 
     samples = [render_row(tiny_tok, {"messages": [{"role": "user", "content": f"hi {i}"},
                                                   {"role": "assistant", "content": f"a reply number {i}"}]}, "conversation")
@@ -184,10 +185,10 @@ def test_logit_step_loss_equals_the_coarsened_kl_of_a_plain_forward(tmp_path, te
 
 
 def onpolicy_run(tmp_path, teacher, *args):
-    from posttrain.recipes import distill_onpolicy
+    from posttrain.recipes.distill import on_policy
 
     data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS)
-    return distill_onpolicy.setup(config(tmp_path, teacher, f"data={data}", "mode=on_policy", "prompts_per_step=1",
+    return on_policy.setup(config(tmp_path, teacher, f"data={data}", "mode=on_policy", "prompts_per_step=1",
                                          "group_size=2", "max_new_tokens=4", f"output_dir={tmp_path / 'op'}", *args))
 
 
@@ -195,7 +196,7 @@ def test_on_policy_two_token_example_by_hand(tmp_path, teacher_dir, monkeypatch)
     # The student "samples" two fixed completions of one prompt: 2 tokens (reward 1) and 1 token (reward 0).
     # Per token t: D_t = KL(Q_t ‖ P_t) over the full vocabulary from plain forwards before the update;
     # loss = (1 − w)·mean_t D_t + w·L_RL, RLOO: A = (+1, −1), ratio 1, token mean: L_RL = −(2·1 + 1·(−1))/3 = −1/3.
-    from posttrain.recipes import distill_onpolicy, rl
+    from posttrain.recipes.distill import on_policy
     from posttrain.rollout.trajectory import Trajectory
 
     run = onpolicy_run(tmp_path, teacher_dir, "reward=math", "rl_weight=0.5", "algo=rloo")
@@ -204,7 +205,7 @@ def test_on_policy_two_token_example_by_hand(tmp_path, teacher_dir, monkeypatch)
     prompt = render_prompt(run.rl.tok, PROMPTS[0]["prompt"])
     responses, rewards = [[17, 42], [99]], [1.0, 0.0]
     trajs = [Trajectory(prompt, resp, torch.zeros(len(resp)), 0, reward=rwd) for resp, rwd in zip(responses, rewards)]
-    monkeypatch.setattr(rl, "collect", lambda r, step: (trajs, {}))
+    monkeypatch.setattr(run.rl.rollout, "collect", lambda r, step: (trajs, {}))
     student_before = {k: v.clone() for k, v in run.rl.model.state_dict().items()}
     d = []
     for resp in responses:
@@ -212,7 +213,7 @@ def test_on_policy_two_token_example_by_hand(tmp_path, teacher_dir, monkeypatch)
         lq = plain_logprobs(run.rl.model, ids)[len(prompt) - 1 : len(ids) - 1]
         lp = plain_logprobs(run.teacher, ids)[len(prompt) - 1 : len(ids) - 1]
         d += (lq.exp() * (lq - lp)).sum(-1).tolist()
-    row = distill_onpolicy.distill_step(run, 0)
+    row = on_policy.distill_step(run, 0)
     assert row["distill/loss"] == pytest.approx(sum(d) / 3, rel=1e-5)
     assert row["loss"] == pytest.approx(0.5 * sum(d) / 3 + 0.5 * (-1 / 3), rel=1e-5)
     assert row["teacher/tokens"] == 3
@@ -287,7 +288,7 @@ def test_tokenizer_mismatch_is_refused_before_any_model_loads(tmp_path, other_to
         raise AssertionError("a model was loaded before the tokenizer check")
 
     monkeypatch.setattr(loading, "load_model", no_model)
-    monkeypatch.setattr(rl, "load_model", no_model)
+    monkeypatch.setattr(rl.build, "load_model", no_model)
     data = write_jsonl(tmp_path / "prompts.jsonl", PROMPTS) if mode == "on_policy" else "arithmetic:4"
     with pytest.raises(UserError) as e:
         distill.train(config(tmp_path, teacher, f"data={data}", f"mode={mode}", f"output_dir={tmp_path / 'x'}"))

@@ -50,10 +50,10 @@ def test_interrupted_quickstart_resumes_to_the_same_numbers(tmp_path, monkeypatc
         calls["eval"] += 1
         return real_eval(*a, **k)
 
-    monkeypatch.setattr(quickstart.rl_recipe, "rl_step", interrupted)
+    monkeypatch.setattr(quickstart.rl_recipe.step, "rl_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         quickstart.main([*TINY, f"output_dir={tmp_path / 'resumed'}"])
-    monkeypatch.setattr(quickstart.rl_recipe, "rl_step", real_step)
+    monkeypatch.setattr(quickstart.rl_recipe.step, "rl_step", real_step)
     monkeypatch.setattr(quickstart, "run_eval_stage", counted)
     quickstart.main([*TINY, f"output_dir={tmp_path / 'resumed'}"])
     assert calls["eval"] == 2  # the stage function runs twice, but the base evaluation is read back

@@ -10,6 +10,7 @@ import torch
 from conftest import run_rl
 from posttrain.config import ConfigError, parse_args
 from posttrain.recipes import rl
+from posttrain.recipes.rl import online_dpo, ppo
 from posttrain.recipes.rl import phases as ph
 from posttrain.rewards.base import RewardError, register
 from posttrain.rollout.trajectory import Trajectory, make_batches
@@ -230,9 +231,9 @@ def test_ppo_token_rewards_fold_k1_in_and_put_the_outcome_on_the_last_token():
     batch.old_values = torch.tensor([[0.3, 0.4, 0.0], [0.1, 0.2, 0.3]])
     batch.bootstrap = torch.tensor([9.0, 0.5])  # a finished sample never uses its bootstrap
     # β = 0.1, γ = λ = 1: A_t = Σ_{l≥t} r_l + V_after − V_t
-    ph.ppo_advantages([batch], beta=0.1, gamma=1.0, lam=1.0, whiten=False, bootstrap_truncated=True)
+    ppo.ppo_advantages([batch], beta=0.1, gamma=1.0, lam=1.0, whiten=False, bootstrap_truncated=True)
     torch.testing.assert_close(batch.advantages, torch.tensor([[0.69, 0.61, 0.0], [0.34, 0.24, 0.19]]))
-    ph.ppo_advantages([batch], beta=0.1, gamma=1.0, lam=1.0, whiten=False)  # default: the cut is terminal
+    ppo.ppo_advantages([batch], beta=0.1, gamma=1.0, lam=1.0, whiten=False)  # default: the cut is terminal
     torch.testing.assert_close(batch.advantages[1], torch.tensor([-0.16, -0.26, -0.31]))
 
 
@@ -273,7 +274,7 @@ def test_preference_pairs_take_best_and_worst_and_skip_ties():
     g0 = [traj([1], [2], 0, r) for r in (0.5, 1.0, 0.0, 1.0)]
     g1 = [traj([1], [2], 1, r) for r in (1.0, 1.0)]
     g2 = [traj([1], [2], 2, r) for r in (None, 0.0, 1.0)]
-    pairs, skipped = ph.preference_pairs(g0 + g1 + g2)
+    pairs, skipped = online_dpo.preference_pairs(g0 + g1 + g2)
     assert [(c.reward, r.reward) for c, r in pairs] == [(1.0, 0.0), (1.0, 0.0)]
     assert pairs[0][0] is g0[1] and pairs[0][1] is g0[2] and pairs[1][0] is g2[2] and skipped == 1
 

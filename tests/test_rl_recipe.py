@@ -69,7 +69,7 @@ def test_beta_zero_loads_no_reference(tmp_path, monkeypatch):
     def no_copy(*a, **k):
         raise AssertionError("a reference model was built at beta=0")
 
-    monkeypatch.setattr(rl.step, "load_reference", no_copy)
+    monkeypatch.setattr(rl.build, "frozen_copy", no_copy)
     run(tmp_path, "beta=0", "max_steps=1")
     with pytest.raises(AssertionError, match="reference"):
         run(tmp_path, "beta=0.04", "max_steps=1", name="with_ref")

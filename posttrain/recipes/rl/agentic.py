@@ -1,7 +1,7 @@
-"""`posttrain rl env=...`: the RL recipe's collect phase for multi-turn episodes.
+"""`posttrain rl env=...`: the rollout source for multi-turn episodes (`AgentRollout`).
 
-The recipe is unchanged otherwise (same algorithms, advantage, reference, update): `collect` hands
-over to `collect_agentic` when `env` is set, which returns Trajectories whose `loss_spans` cover the
+The recipe is unchanged otherwise (same algorithms, advantage, reference, update): with `env` set,
+setup chooses this source, which returns Trajectories whose `loss_spans` cover the
 model's own tokens only, with the environment's reward at the end. The advantage is the
 trajectory-level group baseline of the chosen algorithm (GRPO: (r − mean_G) / std_G), shared by
 every token the model generated in the episode; the policy loss's importance ratios are per token
@@ -18,10 +18,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from posttrain.agentic.envs import load_env
 from posttrain.agentic.formats import encode, make_format
 from posttrain.agentic.rollout import Episode, RolloutStats, new_episodes, run_episodes
+from posttrain.recipes.rl.rollout import GroupRollout
 
 
 @dataclass
@@ -48,29 +50,39 @@ def setup_agent(cfg, tok, rows) -> AgentRun:
     return AgentRun(make_env, fmt, round(sum(lengths) / len(lengths)))
 
 
-def collect_agentic(run, step: int):
-    """B groups of G episodes -> (trajectories, metrics); dynamic sampling refills like `rl.collect`."""
-    from posttrain.recipes.rl import phases as ph
+class AgentRollout(GroupRollout):
+    """B groups of G episodes per step; dynamic sampling refills like every synchronous source."""
 
-    cfg, agent = run.cfg, run.agent
-    episodes: list = []
-    stats_all = RolloutStats()
+    one_prompt_per_group = False  # an environment may start each episode of a group differently
 
-    def produce(rows, first: int, rounds: int):
+    def __init__(self, agent: AgentRun, life):
+        self.agent, self.life = agent, life
+        self.episodes: list[Episode] = []
+        self.stats = RolloutStats()
+        life.fresh_file("episodes.jsonl")
+
+    def collect(self, run, step: int):
+        self.episodes, self.stats = [], RolloutStats()
+        return super().collect(run, step)
+
+    def produce(self, run, step, rows, first, seed, rows_by_group):
+        cfg, agent = run.cfg, self.agent
         with run.timer("generate"):
-            groups = new_episodes(agent.make_env, [r.data for r in rows], cfg.group_size, agent.fmt,
-                                  ph.batch_seed(cfg.seed, step, rounds), first)
+            groups = new_episodes(agent.make_env, [r.data for r in rows], cfg.group_size, agent.fmt, seed, first)
             stats = run_episodes(run.engine, agent.fmt, groups, cfg.agent, cfg.sampling, run.tok)
-        _add_stats(stats_all, stats)
+        _add_stats(self.stats, stats)
         eps = [e for g in groups for e in g]
-        episodes.extend(eps)
-        return [e.to_trajectory(run.tok, version=step) for e in eps]
+        self.episodes.extend(eps)
+        return [e.to_trajectory(run.tok, version=step) for e in eps], {}
 
-    kept, dynamic = ph.refill_groups(run, produce)
-    metrics = {**episode_metrics(episodes, stats_all), **dynamic}
-    write_episodes(run.life.out / "episodes.jsonl", step, episodes[: cfg.samples_per_log], run.tok)
-    update_plan_check(run, episodes, step)
-    return kept, metrics
+    def finish_metrics(self, run, step: int, metrics: dict) -> dict:
+        """agent/* metrics; a few episodes written turn by turn; agent_plan.json updated."""
+        write_episodes(self.life.out / "episodes.jsonl", step, self.episodes[: run.cfg.samples_per_log], run.tok)
+        update_plan_check(self.life.out, self.agent, self.episodes, step)
+        return episode_metrics(self.episodes, self.stats)
+
+    def plan_inputs(self, run) -> dict:
+        return {"method": "agent", **plan_inputs(run.cfg, self.agent)}
 
 
 def _add_stats(total: RolloutStats, s: RolloutStats) -> None:
@@ -146,10 +158,10 @@ def plan_inputs(cfg, agent: AgentRun) -> dict:
             "prompt_len": agent.prompt_len}
 
 
-def update_plan_check(run, episodes: list[Episode], step: int) -> None:
+def update_plan_check(out: Path, agent: AgentRun, episodes: list[Episode], step: int) -> None:
     """agent_plan.json: the planner's context formula P + T·g + (T − 1)·r at the measured means of
     turns, generated and returned tokens per turn, against the measured context tokens."""
-    t = run.agent.totals
+    t = agent.totals
     t["episodes"] += len(episodes)
     t["turns"] += sum(len(e.turns) for e in episodes)
     t["generated"] += sum(x.generated for e in episodes for x in e.turns)
@@ -165,4 +177,4 @@ def update_plan_check(run, episodes: list[Episode], step: int) -> None:
                                            "returned_per_observation": r, "context_tokens_mean": t["context"] / n},
            "planner_at_measured_means": predicted,
            "context_over_predicted": (t["context"] / n) / predicted["context_tokens"]}
-    (run.life.out / "agent_plan.json").write_text(json.dumps(doc, indent=2))
+    (out / "agent_plan.json").write_text(json.dumps(doc, indent=2))

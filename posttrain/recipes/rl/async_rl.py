@@ -18,7 +18,7 @@ Staleness of a sample used at trainer step s (the trainer's policy version = s o
 s − v, v = the version that sampled it; samples with s − v > k are refused (counted, never trained
 on). The loss is the decoupled PPO objective (Hilton et al. 2021, "Batch size-invariance for policy
 optimization"; AReaL eq. 5): the proximal policy π_prox is the trainer's policy at the start of the
-update (recipes/rl.py sets old_logp = the first forward's log-probs), the clip acts on πθ/π_prox,
+update (recipes/rl/step.py sets old_logp = the first forward's log-probs), the clip acts on πθ/π_prox,
 and each token's loss is weighted by min(π_prox/μ, tis_cap) with μ the behaviour log-probs the
 engine recorded (pg_losses TIS). The off-policy gap KL(μ‖π_prox) is `consistency/kl_behaviour_trainer`.
 
@@ -38,8 +38,9 @@ import torch
 
 from posttrain.models.forward import unwrap
 from posttrain.recipes.rl import phases as ph
-from posttrain.training.data_order import EpochSampler
+from posttrain.recipes.rl.rollout import sampled_plan_inputs
 from posttrain.rollout.trajectory import Trajectory
+from posttrain.training.data_order import EpochSampler
 
 ASYNC_TIS_CAP = 2.0  # default cap of the importance weight π_prox/μ when the run gives none
 
@@ -112,11 +113,15 @@ class RolloutProducer:
         self.sampler = EpochSampler(len(rows), cfg.seed)
         self.next_batch, self.skip = 0, set()
         if resume:
-            self.sampler.load(resume["sampler"])
-            self.next_batch, self.skip = resume["batch"], {tuple(x) for x in resume["consumed"]}
+            self.load(resume)
         self.version = -1  # weights the engine holds
         self.pending: list[dict] = []  # submitted, unfinished requests
         self.idle_s, self.loads, self.interrupted = 0.0, 0, 0
+
+    def load(self, resume: dict) -> None:
+        """Start from a ledger's resume point: round `batch` from its data position, consumed groups skipped."""
+        self.sampler.load(resume["sampler"])
+        self.next_batch, self.skip = resume["batch"], {tuple(x) for x in resume["consumed"]}
 
     def run(self, emit, weights: WeightStore, stop: threading.Event) -> None:
         """The loop; any exception is emitted as a Failure (the trainer re-raises it)."""
@@ -253,6 +258,10 @@ class AsyncRollout:
     def collect(self, run, step: int) -> tuple[list[Trajectory], dict]:
         """B groups with staleness <= k from the queue (dynamic sampling drops groups without signal and
         keeps taking, at most (max_resample + 1) x B groups); group ids renumbered 0..B-1."""
+        with run.timer("wait"):
+            return self._collect(run, step)
+
+    def _collect(self, run, step: int) -> tuple[list[Trajectory], dict]:
         self.publish(run.model, step)
         if self.producer is None:
             self.producer = self._start_producer(self.emit, self.weights, self.stop, self._resume)
@@ -318,6 +327,22 @@ class AsyncRollout:
     def state(self) -> dict:
         return self.ledger.state()
 
+    def load_state(self, checkpoint: dict, start: int) -> None:
+        """Resume generation where the trainer's consumption stopped; a synchronous run's checkpoint has no
+        ledger: round n = step n from its data position."""
+        resume = checkpoint.get("rollout") or {"batch": start, "sampler": checkpoint["sampler"], "consumed": []}
+        self.ledger, self._resume = Ledger(self.cfg.prompts_per_step, resume), resume
+        if self.generator is not None:
+            self.generator.load(resume)
+
+    def sync_weights(self, run) -> None:
+        """The producer pulls the new weights when the next step publishes them (collect); the trainer-side
+        engine (evaluation) re-packs lazily."""
+        run.engine.sync_weights()
+
+    def plan_inputs(self, run) -> dict:
+        return sampled_plan_inputs(run)
+
     def summary(self) -> dict:
         idle, _ = self._producer_counters()
         return {"async_trainer_idle_s": self.totals["trainer_idle_s"], "async_generator_idle_s": idle,
@@ -346,7 +371,7 @@ def reward_metrics(items: list[GroupItem]) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- wiring into recipes/rl.py
+# ---------------------------------------------------------------- wiring into the RL recipe (setup.py)
 
 
 class ProducerThread(threading.Thread):
@@ -401,8 +426,8 @@ def check_config(cfg) -> None:
         raise ValueError("async_rl with max_staleness > 0 needs the importance weight π_prox/μ: leave tis_cap unset (2.0) or > 0")
 
 
-def attach(run, resume_state: dict | None) -> None:
-    """Turn a set-up synchronous run into an asynchronous one (called by recipes/rl.py::setup)."""
+def prepare(run) -> None:
+    """What every producer-pipeline run changes in a set-up synchronous run (thread or Ray)."""
     check_config(run.cfg)
     if not run.cfg.systems.async_rl:  # cluster=ray, synchronous: the same pipeline, round n from version n
         run.cfg.systems = run.cfg.systems.model_copy(update={"max_staleness": 0, "partial_rollouts": "finish"})
@@ -413,24 +438,22 @@ def attach(run, resume_state: dict | None) -> None:
         # consistency/* now measure the off-policy gap (staleness on top of precision): expected to be
         # large, so the trainer-vs-sampler alarm is off unless the run sets its threshold
         run.alarms.settings = alarms.model_copy(update={"dlogp_mean_max": None})
-    resume = (resume_state or {}).get("rollout")
-    if resume is None and resume_state:  # a synchronous run's checkpoint: round n = step n from its data position
-        resume = {"batch": run.life.start, "sampler": resume_state["sampler"], "consumed": []}
-    if run.cfg.systems.cluster == "ray":
-        from posttrain.recipes.rl.ray_cluster import attach_ray
 
-        run.rollout = attach_ray(run, resume)
-        return
+
+def attach(run) -> AsyncRollout:
+    """The in-process producer: a RolloutProducer on its own engine in a daemon thread (started by the first
+    collect)."""
     engine = rollout_engine(run)
-    producer = RolloutProducer(engine, run.tok, run.rows, local_scorer(run.reward_fn), run.cfg, resume)
+    producer = RolloutProducer(engine, run.tok, run.rows, local_scorer(run.reward_fn), run.cfg)
 
     def start(emit, weights, stop, _resume):
         thread = ProducerThread(producer, emit, weights, stop)
         thread.start()
         return thread
 
-    run.rollout = AsyncRollout(run.cfg, start, resume)
-    run.rollout.generator = producer
+    rollout = AsyncRollout(run.cfg, start)
+    rollout.generator = producer
+    return rollout
 
 
 class StepAdapter:

@@ -1,11 +1,13 @@
-"""The phases of one RL step (recipes/rl.py calls them in order). Each takes typed records and
+"""The phases of one RL step (posttrain/recipes/rl/step.py calls them in order). Each takes typed records and
 returns typed records plus its metrics; metric names are prefixed by what they measure so phases
 never overwrite each other (`merge_metrics` refuses a collision).
 
     collect    generate G samples per prompt -> Trajectory; score; filter (dynamic sampling)
     advantage  outcome advantages over the samples whose reward applies
     reference  log π_ref on the loss tokens (β > 0), temperature-only distribution
-    update     policy loss (+ β·KL), global normalisers, PPO epochs, AdamW
+    update     policy loss (+ β·KL) of a micro-batch, consistency of trainer and sampler
+
+PPO's critic phases are in ppo.py, online DPO's in online_dpo.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.ops.sampling import trainer_logprobs
 from posttrain.rollout.trajectory import RLBatch, Trajectory
 from posttrain.rollout.types import Request
 
@@ -147,8 +150,6 @@ def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str
     h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H) only where a loss token is predicted
     if truncated and batch.kept is not None and bool((batch.kept > 0).any()):
-        from posttrain.ops.sampling import trainer_logprobs
-
         with torch.autocast(h.device.type, enabled=False):
             logits = h.to(head.weight.dtype) @ head.weight.t()
             if head.bias is not None:
@@ -226,119 +227,3 @@ def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap
     loss = aggregate(tok_loss, mask, norms["agg"], norm_tokens=norms["tokens"], max_len=cfg.sampling.max_new_tokens,
                      num_sequences=norms["seqs"])
     return loss, metrics
-
-
-# ---------------------------------------------------------------- PPO: critic, token rewards, GAE
-
-
-def values(critic, b: RLBatch, mixed_precision: str, index: torch.Tensor) -> torch.Tensor:
-    """V at the flat positions `index` (a sharded value model: inside its FSDP root's forward)."""
-    from posttrain.systems.fsdp import apply
-
-    return apply(critic, lambda m, *args: m.values(*args), b, mixed_precision, index)
-
-
-@torch.no_grad()
-def old_logps(model, batches: list[RLBatch], cfg) -> None:
-    """log π_old of the loss tokens before any update (PPO needs them for the KL in the reward)."""
-    from posttrain.systems.fsdp import apply
-
-    for b in batches:
-        b.old_logp, _ = apply(model, policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=True)
-
-
-@torch.no_grad()
-def critic_values(critic, batches: list[RLBatch], mixed_precision: str) -> None:
-    """V(s_t) at every loss token's state -> old_values (S, L); V after the last token -> bootstrap (S,)."""
-    for b in batches:
-        m = b.hidden_index.numel()
-        v = values(critic, b, mixed_precision, torch.cat([b.hidden_index, b.last_index]))
-        b.old_values, b.bootstrap = b.spread(v[:m]), v[m:]
-
-
-def ppo_advantages(batches: list[RLBatch], beta: float, gamma: float, lam: float, whiten: bool = True,
-                   bootstrap_truncated: bool = False) -> dict:
-    """Token rewards r_t = −β·k1_t (+ the outcome reward on the last loss token), then GAE.
-
-    k1_t = log π_old(a_t|s_t) − log π_ref(a_t|s_t) (InstructGPT: the KL penalty folded into the reward).
-    A sample cut at the length limit: by default the cut is terminal (the reward scored the cut text,
-    as in InstructGPT/TRL/OpenRLHF); with `bootstrap_truncated` the cut is a time limit (Pardo et al.
-    2018) and GAE continues from V after the last token. Advantages are whitened over the step's
-    loss tokens (mean 0, std 1)."""
-    from posttrain.algos import gae
-
-    for b in batches:
-        mask = b.loss_mask.float()  # (S, L)
-        rewards = torch.zeros_like(mask)
-        if beta > 0:
-            rewards -= beta * (b.old_logp - b.ref_logp) * mask
-        last = (b.mask.sum(-1) - 1).clamp(min=0)  # (S,) position of each sample's last loss token
-        outcome = torch.tensor([t.reward or 0.0 for t in b.trajectories], device=mask.device)
-        rewards[torch.arange(len(last)), last] += outcome * b.valid
-        cut = torch.tensor([bootstrap_truncated and t.finish_reason == "length" for t in b.trajectories],
-                           device=mask.device)
-        b.advantages, b.returns = gae(rewards, b.old_values, mask, gamma=gamma, lam=lam, last_value=b.bootstrap * cut)
-    flat = torch.cat([b.advantages[b.loss_mask] for b in batches])
-    mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.ones(())
-    if whiten:
-        for b in batches:
-            b.advantages = (b.advantages - mean) / (std + 1e-8) * b.loss_mask
-    rets = torch.cat([b.returns[b.loss_mask] for b in batches])
-    return {"adv/mean": mean, "adv/std": std, "returns/mean": rets.mean(),
-            "values/mean": torch.cat([b.old_values[b.loss_mask] for b in batches]).mean()}
-
-
-def critic_loss(critic, b: RLBatch, mixed_precision: str, clip: float | None, norm_tokens: int):
-    """Clipped value loss of one micro-batch, its exact share of the step's token mean."""
-    from posttrain.algos import value_loss
-
-    v = b.spread(values(critic, b, mixed_precision, b.hidden_index))  # (S, L)
-    tok, metrics = value_loss(v, b.old_values, b.returns, b.loss_mask, clip=clip)
-    return tok.sum() / norm_tokens, metrics
-
-
-# ---------------------------------------------------------------- online DPO
-
-
-def preference_pairs(trajs: list[Trajectory]) -> tuple[list[tuple[Trajectory, Trajectory]], int]:
-    """Per group, (best, worst) under the reward (first of equals); groups whose applicable rewards are
-    all equal (ties) give no pair. Returns (pairs, groups skipped)."""
-    by: dict[int, list[Trajectory]] = {}
-    for t in trajs:
-        if t.reward is not None:
-            by.setdefault(t.group, []).append(t)
-    pairs = []
-    for group in by.values():
-        best = max(group, key=lambda t: t.reward)
-        worst = min(group, key=lambda t: t.reward)
-        if best.reward > worst.reward:
-            pairs.append((best, worst))
-    return pairs, len({t.group for t in trajs}) - len(pairs)
-
-
-def sequence_logps(model, batches: list[RLBatch], mixed_precision: str) -> dict[int, torch.Tensor]:
-    """Σ_t log π(a_t|s_t) (temperature 1, untruncated: DPO's implicit reward is about π itself) per
-    trajectory, keyed by id(trajectory) -> 0-dim tensors (with grad when the model trains)."""
-    out = {}
-    for b in batches:
-        logp, _ = policy_logps(model, b, 1.0, mixed_precision, truncated=False)
-        for t, s in zip(b.trajectories, (logp * b.mask).sum(-1)):
-            out[id(t)] = s
-    return out
-
-
-def pair_loss(pref_fn, pairs, policy: dict, ref: dict | None, pref_args: dict):
-    """Mean preference loss over the pairs (chosen = best, rejected = worst) and its metrics."""
-    import inspect
-
-    pc = torch.stack([policy[id(c)] for c, _ in pairs])
-    pr = torch.stack([policy[id(r)] for _, r in pairs])
-    rc = torch.stack([ref[id(c)] for c, _ in pairs]) if ref is not None else None
-    rr = torch.stack([ref[id(r)] for _, r in pairs]) if ref is not None else None
-    extra = dict(pref_args)
-    params = inspect.signature(pref_fn).parameters
-    if "chosen_lengths" in params:  # length-normalised losses (simpo, orpo, dpo_norm, rpo)
-        extra["chosen_lengths"] = torch.tensor([float(c.num_loss_tokens) for c, _ in pairs], device=pc.device)
-        extra["rejected_lengths"] = torch.tensor([float(r.num_loss_tokens) for _, r in pairs], device=pc.device)
-    loss, metrics = pref_fn(pc, pr, rc, rr, **extra)
-    return loss.mean(), metrics

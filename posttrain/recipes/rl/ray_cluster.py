@@ -2,7 +2,7 @@
 a rollout worker and a reward worker (the verifier pool) as Ray actors with resource requests, on a
 local `ray.init()` or an existing cluster (`ray_address=...`).
 
-    TrainerActor   runs recipes/rl.py's loop (the driver only waits for its summary)
+    TrainerActor   runs the RL recipe's loop (loop.py: train) (the driver only waits for its summary)
     RolloutActor   the RolloutProducer of recipes/rl/async_rl.py on its own engine; emits scored groups into
                    a `ray.util.queue.Queue` (bounded); gets weights by version through the object store
                    (`ray.put` once per version, the actor resolves the reference; on GPUs the same call
@@ -25,8 +25,20 @@ import threading
 import time
 import uuid
 
+from posttrain.data import formats
 from posttrain.errors import UserError
-from posttrain.recipes.rl.async_rl import AsyncRollout, Failure, GroupItem, RolloutProducer, WeightStore, weights_of
+from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.recipes.rl.async_rl import (
+    AsyncRollout,
+    Failure,
+    GroupItem,
+    RolloutProducer,
+    WeightStore,
+    local_scorer,
+    weights_of,
+)
+from posttrain.rewards.build import build_reward
+from posttrain.rollout.engine import Engine
 
 
 def _ray():
@@ -55,13 +67,8 @@ class RewardWorker:
     """score(row, trajs) -> (rewards, reward metrics) with the run's composed reward."""
 
     def __init__(self, cfg):
-        from posttrain.data import formats
-        from posttrain.recipes.rl import build_reward
-
         rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-        from posttrain.recipes.rl.async_rl import local_scorer
-
-        self.score_fn = local_scorer(build_reward(cfg, rows))
+        self.score_fn = local_scorer(build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens))
 
     def score(self, row, trajs):
         metrics = self.score_fn(row, trajs)
@@ -72,10 +79,6 @@ class RolloutWorker:
     """A RolloutProducer in a thread of this actor; `start(resume, version, weights)` (re)starts it."""
 
     def __init__(self, cfg, queue, reward):
-        from posttrain.data import formats
-        from posttrain.models.loading import load_model, load_tokenizer
-        from posttrain.rollout.engine import Engine
-
         self.cfg, self.queue, self.reward = cfg, queue, reward
         self.incarnation = uuid.uuid4().hex
         self.tok = load_tokenizer(cfg.model)
@@ -130,10 +133,8 @@ class RolloutWorker:
 
 
 class TrainerWorker:
-    def train(self, cfg) -> dict:
-        from posttrain.recipes import rl
-
-        return rl.train(cfg)
+    def train(self, cfg, train_fn) -> dict:
+        return train_fn(cfg)
 
 
 # ---------------------------------------------------------------- the trainer side
@@ -193,10 +194,10 @@ class RayRollout(AsyncRollout):
     """AsyncRollout whose producer is a Ray actor: the queue is a ray.util.queue.Queue, weights go
     through the object store, groups of a dead incarnation are dropped (regenerated from the ledger)."""
 
-    def __init__(self, cfg, resume: dict | None):
+    def __init__(self, cfg):
         from ray.util.queue import Queue
 
-        super().__init__(cfg, self._start, resume)
+        super().__init__(cfg, self._start)
         self.queue = Queue(maxsize=cfg.systems.queue_bound(cfg.prompts_per_step))
         self.latest_ref, self.restarts, self.final_counters = None, 0, (0.0, 0)
 
@@ -238,13 +239,14 @@ class RayRollout(AsyncRollout):
             self.producer = None
 
 
-def attach_ray(run, resume: dict | None) -> RayRollout:
+def attach_ray(run) -> RayRollout:
     connect(run.cfg.systems)
-    return RayRollout(run.cfg, resume)
+    return RayRollout(run.cfg)
 
 
-def train(cfg) -> dict:
-    """`posttrain rl cluster=ray`: the trainer runs as an actor (GPU if one is visible), the driver waits."""
+def train(cfg, train_fn) -> dict:
+    """`posttrain rl cluster=ray`: `train_fn(cfg)` (the RL recipe's loop) runs as an actor (GPU if one is
+    visible), the driver waits."""
     import torch
 
     ray = _ray()
@@ -252,6 +254,6 @@ def train(cfg) -> dict:
     gpus = 1 if torch.cuda.is_available() and cfg.device != "cpu" else 0
     trainer = ray.remote(num_cpus=cfg.systems.trainer_cpus, num_gpus=gpus)(TrainerWorker).remote()
     try:
-        return ray.get(trainer.train.remote(cfg))
+        return ray.get(trainer.train.remote(cfg, train_fn))
     finally:
         ray.kill(trainer)

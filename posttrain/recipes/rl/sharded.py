@@ -1,61 +1,70 @@
 """Online RL (the GRPO family and PPO) under `torchrun --nproc-per-node W -m posttrain rl …`, FSDP2-sharded.
 
 Per step, on every rank:
-    generate   rank r samples rows r, r + W, … of the round with a full, plain copy of the policy (the
+    generate   (ShardedRollout) rank r samples rows r, r + W, … of the round with a full, plain copy of the policy (the
                rollout engine's weights); row i samples with seed + i, so the samples are those one process
                would draw; each rank scores its own groups, then the scored groups of all ranks are gathered
                (every rank holds the whole batch, in group order: advantages and normalisers need no reduction)
-    update     each minibatch's micro-batches are shared among the ranks (posttrain/systems/fsdp.py:
+    update     each minibatch's micro-batches are shared among the ranks (posttrain/systems/dist.py:
                rank_share, weight-0 padding); the loss statistics are gathered and merged once per update
     sync       the sharded weights are gathered into the rollout copy (a collective), the engine re-packs them
 
 so the run follows the single-process run on the same seed, up to summation order. PPO's value model is
-sharded like the policy (posttrain/recipes/rl.py: build_critic, critic_backward, save_value_model); its
-values and the GAE run on every rank over the whole batch.
+sharded like the policy (posttrain/recipes/rl/ppo.py: Critic); its values and the GAE run on every rank
+over the whole batch.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
 from posttrain.recipes.rl import phases as ph
+from posttrain.recipes.rl.rollout import GroupRollout
+from posttrain.recipes.rl.run import UpdateStats
 from posttrain.systems import fsdp
+from posttrain.systems.dist import DistInfo, gather_objects, rank_share
 
 
-def gather_objects(obj, info: fsdp.DistInfo) -> list:
-    """[obj of rank 0, obj of rank 1, …] on every rank (pickled; small things only)."""
-    if info.world == 1:
-        return [obj]
-    out: list = [None] * info.world
-    dist.all_gather_object(out, obj)
-    return out
+class ShardedRollout(GroupRollout):
+    """Under torchrun: each rank generates and scores its share of the round's rows with a full, plain copy
+    of the policy (`policy_copy`, the engine's weights), then every rank gathers the whole round."""
 
+    def __init__(self, inner: torch.nn.Module, policy_copy: torch.nn.Module):
+        self.inner, self.policy_copy = inner, policy_copy  # the HF model inside the FSDP root; the engine's copy
 
-def generate_share(run, rows: list, first: int, seed: int, version: int, rows_by_group: dict) -> tuple[list, dict]:
-    """This rank's rows generated and scored; -> (every rank's trajectories in group order, reward metrics
-    averaged over the ranks' samples)."""
-    info = run.info
-    mine = list(range(info.rank, len(rows), info.world))
-    new = []
-    with run.timer("generate"):
-        requests = ph.requests_for(run.tok, rows, run.cfg, seed)
-        results = run.engine.generate([requests[i] for i in mine]) if mine else []
-        for i, res in zip(mine, results):
-            new += ph.trajectories(res, rows[i], run.tok, first + i, version)
-    values: dict = {}
-    metrics: dict = {}
-    with run.timer("reward"):
-        if new:
-            ph.score(run.reward_fn, rows_by_group, new)
-            values = getattr(run.reward_fn, "last_values", {})
-            metrics = {k: v for k, v in run.reward_fn.last_metrics.items() if isinstance(v, (int, float))}
-    with run.timer("gather"):
-        parts = gather_objects((new, values, metrics), info)
-    trajs = sorted((t for part, _, _ in parts for t in part), key=lambda t: t.group)  # stable: sample order kept
-    return trajs, merge_reward_metrics([(v, m) for _, v, m in parts])
+    def produce(self, run, step, rows, first, seed, rows_by_group):
+        """This rank's rows generated and scored; -> (every rank's trajectories in group order, reward
+        metrics over the ranks' samples)."""
+        info = run.info
+        mine = list(range(info.rank, len(rows), info.world))
+        new = []
+        with run.timer("generate"):
+            requests = ph.requests_for(run.tok, rows, run.cfg, seed)
+            results = run.engine.generate([requests[i] for i in mine]) if mine else []
+            for i, res in zip(mine, results):
+                new += ph.trajectories(res, rows[i], run.tok, first + i, step)
+        values: dict = {}
+        metrics: dict = {}
+        with run.timer("reward"):
+            if new:
+                ph.score(run.reward_fn, rows_by_group, new)
+                values = getattr(run.reward_fn, "last_values", {})
+                metrics = {k: v for k, v in run.reward_fn.last_metrics.items() if isinstance(v, (int, float))}
+        with run.timer("gather"):
+            parts = gather_objects((new, values, metrics), info)
+        trajs = sorted((t for part, _, _ in parts for t in part), key=lambda t: t.group)  # stable: sample order kept
+        return trajs, merge_reward_metrics([(v, m) for _, v, m in parts])
+
+    @torch.no_grad()
+    def sync_weights(self, run) -> None:
+        """The sharded policy's full weights into the engine's plain copy (a collective: every rank calls it)."""
+        full = fsdp.full_state(self.inner)
+        for name, p in self.policy_copy.named_parameters():
+            p.copy_(full[name])
+        run.engine.sync_weights()
 
 
 def merge_reward_metrics(parts: list[tuple[dict, dict]]) -> dict:
@@ -78,39 +87,23 @@ def merge_reward_metrics(parts: list[tuple[dict, dict]]) -> dict:
     return out
 
 
-def my_batches(batches: list, minibatches: int, info: fsdp.DistInfo) -> list:
+def my_batches(batches: list, minibatches: int, info: DistInfo) -> list:
     """The micro-batches this rank computes in `update` (its share of each minibatch, padding included)."""
     groups = [batches[i::minibatches] for i in range(min(minibatches, len(batches)))]
     seen, out = set(), []
     for mb in groups:
-        for b, _ in fsdp.rank_share(mb, info):
+        for b, _ in rank_share(mb, info):
             if id(b) not in seen:
                 seen.add(id(b))
                 out.append(b)
     return out
 
 
-def reduce_stats(stats: dict, info: fsdp.DistInfo) -> None:
-    """Merge the ranks' loss statistics in place: token-weighted means, extremes, sums, the max |Δ log p|."""
+def reduce_stats(stats: UpdateStats, info: DistInfo) -> UpdateStats:
+    """The ranks' update statistics merged (token-weighted means, extremes, sums, the max |Δ log p|)."""
     if info.world == 1:
-        return
-    mine = {"sums": stats["losses"].sums, "weight": stats["losses"].weight, "loss": stats["loss"],
-            "entropy": stats["entropy"], "cons": stats["cons"],
-            "critic": (stats["critic"].sums, stats["critic"].weight)}
-    parts = gather_objects(mine, info)
-    means, critic = ph.TokenMeans(), ph.TokenMeans()
-    for p in parts:
-        means.merge(p["sums"], p["weight"])
-        critic.merge(*p["critic"])
-    stats["losses"], stats["critic"] = means, critic
-    stats["loss"] = sum(p["loss"] for p in parts)
-    stats["entropy"] = sum(p["entropy"] for p in parts)
-    stats["cons"] = {k: (max if k == "dlogp_max" else sum)(p["cons"][k] for p in parts) for k in stats["cons"]}
-
-
-@torch.no_grad()
-def sync_generator(run) -> None:
-    """The sharded policy's full weights into the rollout engine's plain copy (every rank calls it)."""
-    full = fsdp.full_state(run.inner)
-    for name, p in run.generator.named_parameters():
-        p.copy_(full[name])
+        return stats
+    total = UpdateStats(grad_norm=stats.grad_norm)
+    for part in gather_objects(replace(stats, grad_norm=None), info):
+        total.merge(part)
+    return total

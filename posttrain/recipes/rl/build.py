@@ -1,0 +1,166 @@
+"""Everything before an RL run's first step, in the order a failure should surface: config and data,
+environment or reward checked before any model loads; then the policy, the reference (β > 0 only),
+the engine, optimizer, KL controller, PPO's critic; a resumed checkpoint; and last the rollout source,
+chosen once (`make_rollout`), and the planner's prediction."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from posttrain.algos import AdaptiveKLController, FixedKLController
+from posttrain.algos import advantages as adv_registry
+from posttrain.algos import policy_losses
+from posttrain.algos.presets import rl_preset, uses_critic
+from posttrain.data import formats
+from posttrain.eval.hook import EvalHook
+from posttrain.models.device import resolve_device
+from posttrain.models.forward import unwrap
+from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.monitor.alarms import AlarmMonitor
+from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
+from posttrain.plan.measure import Measured, write_plan
+from posttrain.recipes.rl import agentic, async_rl, ray_cluster
+from posttrain.recipes.rl.config import RLConfig
+from posttrain.recipes.rl.online_dpo import online_dpo_step
+from posttrain.recipes.rl.ppo import Critic
+from posttrain.recipes.rl.rollout import Rollout, SyncRollout
+from posttrain.recipes.rl.run import RLRun
+from posttrain.recipes.rl.sharded import ShardedRollout
+from posttrain.recipes.rl import step as policy_gradient
+from posttrain.rewards.build import build_reward
+from posttrain.rollout.engine import Engine
+from posttrain.systems import fsdp
+from posttrain.errors import UserError
+from posttrain.systems.dist import DistInfo, init_from_env, rank_device
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.optim import build_optimizer
+from posttrain.training.run import seed_everything
+
+
+def step_function(cfg: RLConfig):
+    """The step an algorithm runs: online DPO has its own, every other algorithm the policy-gradient step."""
+    return online_dpo_step if cfg.algo == "online_dpo" else policy_gradient.rl_step
+
+
+def setup(cfg: RLConfig) -> RLRun:
+    """Everything before the first step: data and reward checked before any model loads."""
+    preset = rl_preset(cfg.algo)
+    info = init_ranks(cfg)
+    life = RunLifecycle(cfg, info)
+    seed_everything(cfg.seed)
+    device = rank_device(resolve_device(cfg.device), info)
+    tok = load_tokenizer(cfg.model)
+    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    agent = agentic.setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
+    reward_fn = None if agent is not None else reward_of(cfg, rows)
+    eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
+    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
+    model.train()
+    ref = frozen_copy(model) if cfg.needs_reference else None  # β = 0 must not load a reference model
+    inner = policy_copy = None
+    if info.world > 1:  # the engine samples from a full copy; the trainer's weights are sharded
+        inner, policy_copy = model, frozen_copy(model)
+        model = fsdp.shard_model(model)
+    engine = make_engine(cfg, model if policy_copy is None else policy_copy, tok)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
+    beta = cfg.resolved_beta
+    kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
+    critic = Critic.build(cfg, policy_copy if policy_copy is not None else model, device, info) if uses_critic(preset) else None
+    run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler, EpochSampler(len(rows), cfg.seed),
+                kl_ctl, None if critic is not None else adv_registry.get(cfg.advantage or preset.advantage),
+                policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
+                preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling, default_tis_cap(cfg),
+                device, info=info, critic=critic, measured=Measured(), eval_hook=eval_hook,
+                alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
+    state = life.restore(model, optimizer, scheduler, extras=critic.extras() if critic is not None else None)
+    if state:
+        run.sampler.load(state["sampler"])
+        kl_ctl.value = state.get("beta", kl_ctl.value)
+        run.alarms.load(state.get("alarms", {}))
+        if critic is not None:
+            critic.load_state(state)
+    run.rollout = make_rollout(run, agent, inner, policy_copy, state)
+    if state:
+        run.rollout.sync_weights(run)
+    if life.main:
+        write_plan(life.out, plan_run(run, inner if inner is not None else model))
+    run.metrics = life.metrics()
+    life.fresh_file("samples.jsonl")
+    return run
+
+
+def make_rollout(run: RLRun, agent: agentic.AgentRun | None, inner, policy_copy, state: dict) -> Rollout:
+    """The run's one rollout source: the producer pipeline (async RL, or any Ray run), multi-turn episodes,
+    ranks sharing generation under torchrun, or plain synchronous generation."""
+    systems = run.cfg.systems
+    if systems.pipelined:
+        async_rl.prepare(run)
+        source = ray_cluster.attach_ray(run) if systems.cluster == "ray" else async_rl.attach(run)
+    elif agent is not None:
+        source = agentic.AgentRollout(agent, run.life)
+    elif run.info.world > 1:
+        source = ShardedRollout(inner, policy_copy)
+    else:
+        source = SyncRollout()
+    if state:
+        source.load_state(state, run.life.start)
+    return source
+
+
+def make_engine(cfg: RLConfig, model: torch.nn.Module, tok):
+    """The built-in engine over `model`'s weights (max_num_seqs B × G unless set); with the producer
+    pipeline the rollout worker samples on its own copy and this engine serves evaluation only."""
+    engine_cfg = cfg.engine.model_copy(update={
+        k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
+        if k not in cfg.engine.model_fields_set})
+    if cfg.systems.pipelined:
+        return async_rl.TrainerEngine(model, tok, engine_cfg)
+    return Engine(model, tok, engine_cfg)
+
+
+def init_ranks(cfg: RLConfig) -> DistInfo:
+    """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
+    info = init_from_env()
+    if info.world > 1:
+        unsupported = ((cfg.algo == "online_dpo", "algo=online_dpo"),
+                       (bool(cfg.env), "env= (multi-turn episodes)"), (cfg.systems.pipelined, "async_rl / cluster=ray"))
+        for on, what in unsupported:
+            if on:
+                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world}); "
+                                "PPO and the GRPO family are")
+    return info
+
+
+def reward_of(cfg: RLConfig, rows: list[formats.Row]):
+    return build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)
+
+
+def default_tis_cap(cfg: RLConfig) -> float | None:
+    """TIS (Yao et al. 2025) is on whenever the trainer computes in another precision than the sampler."""
+    if cfg.tis_cap is not None:
+        return cfg.tis_cap or None
+    return 2.0 if cfg.mixed_precision != "none" else None
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the initial weights: the reference policy (π_ref = π_θ at step 0), or the plain
+    copy a sharded run's engine samples from."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def plan_run(run: RLRun, model: torch.nn.Module) -> dict:
+    """Planner prediction for the run; the rollout source says how many tokens a step holds (every sample
+    runs to max_new_tokens; with an env, every episode to max_turns)."""
+    cfg = run.cfg
+    method = "ppo" if run.critic is not None else "grpo"
+    extra = {"value_model": True} if method == "ppo" else {}
+    inputs = run.rollout.plan_inputs(run)
+    method = inputs.pop("method", method)
+    return predict(unwrap(model).config, method, **extra, **inputs, batch=cfg.prompts_per_step, group=cfg.group_size,
+                   beta=cfg.resolved_beta, reward="verifier",
+                   micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
+                   steps=max(cfg.max_steps, 1), logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))

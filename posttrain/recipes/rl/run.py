@@ -1,0 +1,122 @@
+"""What an RL step works on: `RLRun` (built once by setup.py) and `UpdateStats` (one update's statistics).
+
+`RLRun` holds the trained policy and everything around it; the modes of a run are objects chosen once
+in setup, never flags read inside the step:
+    rollout   where the step's trajectories come from (posttrain/recipes/rl/rollout.py: the Rollout protocol)
+    critic    PPO's value model (posttrain/recipes/rl/ppo.py), None for the group-baseline family
+    ref       the frozen reference policy, None at β = 0 (no reference is loaded)
+    info      torchrun's ranks (world size 1 without torchrun)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from posttrain.algos import AdaptiveKLController, FixedKLController
+from posttrain.data.formats import Row
+from posttrain.eval.hook import EvalHook
+from posttrain.monitor.alarms import AlarmMonitor
+from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.plan.measure import Measured
+from posttrain.recipes.rl.config import RLConfig
+from posttrain.recipes.rl.phases import TokenMeans
+from posttrain.rewards.registry import ComposedReward
+from posttrain.systems.dist import DistInfo
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.lifecycle import RunLifecycle
+
+if TYPE_CHECKING:  # annotations only: the modules below import this one
+    from posttrain.recipes.rl.ppo import Critic
+    from posttrain.recipes.rl.rollout import Rollout
+
+
+@dataclass(eq=False)
+class RLRun:
+    """Everything a step needs, built once by `setup`."""
+
+    cfg: RLConfig
+    life: RunLifecycle
+    tok: object  # a transformers tokenizer
+    rows: list[Row]
+    reward_fn: ComposedReward | None  # None with env= (the environment scores its episodes)
+    model: torch.nn.Module  # the trained policy (under torchrun: its FSDP root)
+    ref: torch.nn.Module | None  # frozen π_ref; None when no reference is needed (β = 0)
+    engine: object  # what samples from the policy: rollout.engine.Engine, or async_rl.TrainerEngine
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: EpochSampler  # the data order (its position is checkpointed)
+    kl_ctl: FixedKLController | AdaptiveKLController
+    adv_fn: Callable | None  # outcome advantages (registry posttrain.algos.advantages); None for PPO (GAE)
+    loss_fn: Callable  # policy loss (registry posttrain.algos.policy_losses)
+    agg: str  # loss aggregation (posttrain.algos.aggregate)
+    dynamic: bool  # dynamic sampling (DAPO): groups without signal are dropped and refilled
+    tis_cap: float | None  # truncated importance sampling cap on π_old/μ (None: off)
+    device: torch.device
+    info: DistInfo = field(default_factory=DistInfo)
+    rollout: Rollout | None = None  # set by setup once the engine exists
+    critic: Critic | None = None
+    metrics: MetricsWriter | None = None
+    measured: Measured = field(default_factory=Measured)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
+    eval_hook: EvalHook | None = None
+
+    @property
+    def beta(self) -> float:
+        """The KL coefficient in use (adaptive or fixed); 0 without a reference."""
+        return self.kl_ctl.value if self.ref is not None else 0.0
+
+    @property
+    def loss_beta(self) -> float:
+        """β of the β·KL term in the policy loss: PPO folds the KL into the token rewards instead."""
+        return 0.0 if self.critic is not None else self.beta
+
+
+@dataclass
+class Consistency:
+    """Trainer vs sampler on the sampled tokens, as sums over tokens: max |Δ log p|, Σ |Δ log p| and
+    Σ (log μ − log π) ≈ KL(μ‖π) · tokens."""
+
+    dlogp_max: float = 0.0
+    dlogp_sum: float = 0.0
+    kl_sum: float = 0.0
+    tokens: int = 0
+
+    def add(self, other: Consistency) -> None:
+        self.dlogp_max = max(self.dlogp_max, other.dlogp_max)
+        self.dlogp_sum += other.dlogp_sum
+        self.kl_sum += other.kl_sum
+        self.tokens += other.tokens
+
+
+@dataclass
+class UpdateStats:
+    """What one update measured, summed over its micro-batches (and, under torchrun, over the ranks)."""
+
+    losses: TokenMeans = field(default_factory=TokenMeans)  # the policy loss's metrics, token-weighted
+    critic: TokenMeans = field(default_factory=TokenMeans)  # PPO's value loss metrics
+    loss: float = 0.0  # the policy loss, averaged over epochs
+    entropy: float = 0.0  # Σ entropy over the first epoch's loss tokens
+    cons: Consistency = field(default_factory=Consistency)
+    grad_norm: torch.Tensor | None = None  # the first optimizer step's norm before clipping (None: no policy step)
+
+    def merge(self, other: UpdateStats) -> None:
+        """Fold in another rank's statistics (the gradient norm is global already: kept)."""
+        self.losses.merge(other.losses.sums, other.losses.weight)
+        self.critic.merge(other.critic.sums, other.critic.weight)
+        self.loss += other.loss
+        self.entropy += other.entropy
+        self.cons.add(other.cons)
+
+    def metrics(self) -> dict:
+        """entropy and consistency/* per token, and the loss and norm when the policy stepped."""
+        if self.grad_norm is None:
+            return {}
+        n = max(self.cons.tokens, 1)
+        return {"loss": self.loss, "grad_norm": self.grad_norm, "entropy": self.entropy / n,
+                "consistency/dlogp_max": self.cons.dlogp_max, "consistency/dlogp_mean": self.cons.dlogp_sum / n,
+                "consistency/kl_behaviour_trainer": self.cons.kl_sum / n}

@@ -2,7 +2,7 @@
 
 The tiny random model generates for real; each group's length is drawn from a Pareto distribution
 (heavy tail) and every engine step costs `--latency` seconds of simulated device time
-(posttrain/systems/simulate.py). Prints both wall times, the speedup, the idle time of generator and
+(benchmarks/simulated_device.py). Prints both wall times, the speedup, the idle time of generator and
 trainer, and the staleness histogram of the asynchronous run.
 
     python benchmarks/async_longtail.py --steps 12 --staleness 2
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
 
-    from posttrain.systems.simulate import compare_sync_async
+    from simulated_device import compare_sync_async
 
     out = a.out or tempfile.mkdtemp(prefix="async_longtail_")
     args = ["model=tiny-random", "data=single_digit_add:200", "reward=math", "reward_args={math: {mode: last_number}}",

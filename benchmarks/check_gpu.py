@@ -11,7 +11,7 @@ the time budget is spent):
   engine  the built-in engine vs HF generate on CUDA, bf16 (benchmarks/engine_vs_hf.compare)
   vllm    vLLM rollouts vs the trainer's recomputation (benchmarks/check_vllm_gpu.check), if vLLM imports
   async   the same GRPO steps synchronously and asynchronously (max_staleness=1) on the GPU: s/step of
-          both, speedup, idle times, staleness (posttrain/systems/simulate.py with no simulated latency)
+          both, speedup, idle times, staleness (benchmarks/simulated_device.py with no simulated latency)
   vllm_rl asynchronous GRPO with rollout_backend=vllm vs the built-in engine on the real model: s/step,
           consistency/* (the off-policy gap) and reward of both, if vLLM imports
 Every section also reports the peak CUDA memory it allocated: 0 means it did not run on the GPU.
@@ -143,7 +143,7 @@ def vllm_one(model: str) -> dict:
 
 def async_one(model: str, tmp: Path, quick: bool, device: str) -> dict:
     """Sync vs async GRPO on the device, no simulated latency: the overlap the GPU really gives."""
-    from posttrain.systems.simulate import compare_sync_async
+    from simulated_device import compare_sync_async
 
     args = [f"model={model}", "data=single_digit_add:200", "reward=math", "reward_args={math: {mode: last_number}}",
             "beta=0", f"device={device}", "mixed_precision=bf16", f"max_steps={4 if quick else 8}", "prompts_per_step=8",
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     deadline = t0 + args.budget_s
     sections = set(args.sections.split(","))
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_vs_hf, check_vllm_gpu
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_vs_hf, check_vllm_gpu, simulated_device
     summary: dict = {"gpu": torch.cuda.get_device_name(args.device) if cuda else None, "device": args.device,
                      "torch": torch.__version__, "cuda": torch.version.cuda, "quick": args.quick}
     real, how = real_model(args.fetch) if cuda else (None, "dry run on the CPU: tiny models only")

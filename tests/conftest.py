@@ -1,10 +1,14 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# benchmark apparatus the tests share (simulated_device: the long-tail rollout device), importable by name
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
-"""FSDP2 on CPU with gloo (posttrain/systems/fsdp.py): 2 ranks give the loss, gradient norm and updated
-weights of 1 rank on the same global batch, for SFT and GRPO steps, and a distributed checkpoint written
-at 2 ranks resumes at 1 (posttrain/systems/fsdp_check.py holds the scenarios). Run by `make test-dist`."""
+"""FSDP2 on CPU with gloo (posttrain/systems/fsdp.py, posttrain/systems/dist.py): 2 ranks give the loss,
+gradient norm and updated weights of 1 rank on the same global batch for SFT steps, and a distributed
+checkpoint written at 2 ranks resumes at 1 (tests/fsdp_scenarios.py holds the scenarios); the SFT, DPO and
+RL recipes (GRPO, PPO) under torchrun give one process's run, survive a killed rank and resume at 1.
+Run by `make test-dist`."""
 
 import json
 import os
@@ -17,17 +19,18 @@ def _worker(rank: int, world: int, init_file: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from posttrain.systems import fsdp_check
-    from posttrain.systems.fsdp import DistInfo
+    import fsdp_scenarios
+    from posttrain.systems.dist import DistInfo, gather_objects, global_sum
 
     faulthandler.enable()  # a native abort prints every thread's Python stack
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     info = DistInfo(rank, world)
-    for kind in ("sft", "rl"):
-        res = fsdp_check.distributed(kind, info, fsdp_check.Path(out) / kind)
-        if rank == 0:
-            torch.save(res, f"{out}/{kind}.pt")
+    assert gather_objects({"rank": rank}, info) == [{"rank": r} for r in range(world)]
+    assert global_sum([1.0, rank], info) == [world, sum(range(world))]
+    res = fsdp_scenarios.distributed(info, fsdp_scenarios.Path(out) / "sft")
+    if rank == 0:
+        torch.save(res, f"{out}/sft.pt")
     dist.barrier()
     dist.destroy_process_group()
     # Skip interpreter finalisation: a gloo object that outlives destroy_process_group can abort in its C++
@@ -46,7 +49,7 @@ def _spawn_two_ranks(out) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """Runs both scenarios at 2 ranks. A rank killed by a signal (a native abort inside gloo, not a Python
+    """Runs the SFT scenario at 2 ranks. A rank killed by a signal (a native abort inside gloo, not a Python
     error and not a wrong number) gets one rerun in a fresh directory, with the first failure printed."""
     from torch.multiprocessing import ProcessExitedException
 
@@ -62,21 +65,20 @@ def two_ranks(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("kind", ["sft", "rl"])
-def test_two_ranks_equal_one_rank_and_resume_at_one(two_ranks, kind):
-    from posttrain.systems import fsdp_check
+def test_two_ranks_equal_one_rank_and_resume_at_one(two_ranks):
+    import fsdp_scenarios
 
-    dist_res = torch.load(two_ranks / f"{kind}.pt", weights_only=False)
-    state = json.loads((two_ranks / kind / "state.json").read_text())
-    assert state == {"step": fsdp_check.STEPS - 1, "world_size": 2}
-    diff = fsdp_check.differences(dist_res, fsdp_check.single(kind), fsdp_check.resumed(kind, two_ranks / kind))
-    print(kind, diff)
-    assert fsdp_check.within(diff), diff
-    assert len(dist_res["losses"]) == fsdp_check.STEPS and all(x > 0 for x in dist_res["grad_norms"])
+    dist_res = torch.load(two_ranks / "sft.pt", weights_only=False)
+    state = json.loads((two_ranks / "sft" / "state.json").read_text())
+    assert state == {"step": fsdp_scenarios.STEPS - 1, "world_size": 2}
+    diff = fsdp_scenarios.differences(dist_res, fsdp_scenarios.single(), fsdp_scenarios.resumed(two_ranks / "sft"))
+    print("sft", diff)
+    assert fsdp_scenarios.within(diff), diff
+    assert len(dist_res["losses"]) == fsdp_scenarios.STEPS and all(x > 0 for x in dist_res["grad_norms"])
 
 
 def test_rank_share_pads_with_weight_zero():
-    from posttrain.systems.fsdp import DistInfo, rank_share
+    from posttrain.systems.dist import DistInfo, rank_share
 
     items = ["a", "b", "c"]
     assert rank_share(items, DistInfo(0, 2)) == [("a", 1.0), ("c", 1.0)]
@@ -84,15 +86,25 @@ def test_rank_share_pads_with_weight_zero():
     assert rank_share(items, DistInfo(0, 1)) == [("a", 1.0), ("b", 1.0), ("c", 1.0)]
 
 
+def test_one_process_needs_no_process_group():
+    from posttrain.systems.dist import DistInfo, barrier, gather_objects, global_sum
+
+    info = DistInfo()
+    assert info.main and gather_objects("x", info) == ["x"] and global_sum([2.0, 3.0], info) == [2.0, 3.0]
+    barrier(info)
+
+
 def test_sft_step_at_one_rank_is_the_recipe_step():
-    """fsdp.sft_step (world 1) computes recipes/sft.py::accumulate_gradients's loss and gradient."""
+    """sft_sharded.sft_backward (world 1) computes recipes/sft.py::accumulate_gradients's loss and gradient."""
+    import fsdp_scenarios
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.recipes.sft import accumulate_gradients
-    from posttrain.systems import fsdp_check
-    from posttrain.systems.fsdp import DistInfo, Sharded, sft_backward, rank_share
+    from posttrain.recipes.sft_sharded import sft_backward
+    from posttrain.systems.dist import DistInfo, rank_share
+    from posttrain.systems.fsdp import Sharded
 
     tok = load_tokenizer("tiny-random")
-    batches = fsdp_check.sft_batches(tok)
+    batches = fsdp_scenarios.sft_batches(tok)
     a, b = load_model("tiny-random", seed=0), load_model("tiny-random", seed=0)
     loss_a = accumulate_gradients(a, batches)
     n = sum(x.num_loss_tokens for x in batches)
@@ -162,8 +174,8 @@ def test_recipe_under_torchrun(tmp_path, recipe):
     in one process."""
     import shutil
 
+    import fsdp_scenarios
     from posttrain.models.loading import load_model
-    from posttrain.systems import fsdp_check
     from posttrain.systems.faults import EXIT_CODE
 
     data = _data(recipe, tmp_path)
@@ -179,14 +191,14 @@ def test_recipe_under_torchrun(tmp_path, recipe):
     assert (tmp_path / "two" / "checkpoints" / "step-4" / "dcp").is_dir()
     init = {n: p.detach() for n, p in load_model("tiny-random", seed=0).named_parameters()}
     assert max(abs(a - b) for a, b in zip(_losses(tmp_path / "one").values(), _losses(tmp_path / "two").values())) < 1e-4
-    assert sorted(two) == sorted(one) and fsdp_check.update_difference(two, one, init) < 1e-4  # measured ~1e-6
+    assert sorted(two) == sorted(one) and fsdp_scenarios.update_difference(two, one, init) < 1e-4  # measured ~1e-6
     assert _losses(tmp_path / "killed") == _losses(tmp_path / "two")  # steps 1..6, each once
     assert all(torch.equal(two[k], again[k]) for k in two)
 
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-6")  # resume the step-4 DCP checkpoint at world size 1
     shutil.rmtree(tmp_path / "two" / "final")
     _posttrain(recipe, tmp_path / "two", data, sys.executable)
-    assert fsdp_check.update_difference(_final(tmp_path / "two"), two, init) < 1e-4
+    assert fsdp_scenarios.update_difference(_final(tmp_path / "two"), two, init) < 1e-4
     if recipe == "ppo":  # the value model: checkpointed sharded, gathered into final/value/
         from transformers import AutoModelForSequenceClassification
 

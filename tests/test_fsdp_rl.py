@@ -5,7 +5,7 @@ import math
 import pytest
 
 from posttrain.rewards.registry import compose, register
-from posttrain.systems.fsdp import DistInfo
+from posttrain.systems.dist import DistInfo
 from posttrain.recipes.rl.sharded import merge_reward_metrics, my_batches
 
 

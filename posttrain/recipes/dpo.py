@@ -58,6 +58,7 @@ from posttrain.training.run import progress, seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
+from posttrain.systems import dist as ranks  # `dist` is torch.distributed in Meter.reduce
 from posttrain.systems import fsdp
 from posttrain.systems.faults import maybe_fail
 
@@ -131,7 +132,7 @@ class DPORun:
     metrics: object = None
     measured: Measured = field(default_factory=Measured)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
-    info: fsdp.DistInfo = field(default_factory=fsdp.DistInfo)
+    info: ranks.DistInfo = field(default_factory=ranks.DistInfo)
 
     @property
     def unpaired(self) -> bool:
@@ -158,7 +159,7 @@ class Meter:
     def result(self) -> dict:
         return {k: self.sums[k] / self.weights[k] for k in self.sums}
 
-    def reduce(self, info: fsdp.DistInfo) -> None:
+    def reduce(self, info: ranks.DistInfo) -> None:
         """Sums and weights over ranks (a rank that ran only padding has no keys: the union is gathered)."""
         if info.world == 1:
             return
@@ -167,7 +168,7 @@ class Meter:
         names: list = [None] * info.world
         dist.all_gather_object(names, sorted(self.sums))
         keys = sorted(set().union(*names))
-        totals = fsdp.global_sum([self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys], info)
+        totals = ranks.global_sum([self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys], info)
         self.sums = dict(zip(keys, totals[: len(keys)]))
         self.weights = dict(zip(keys, totals[len(keys):]))
 
@@ -276,7 +277,7 @@ def accumulate(run: DPORun, ids: list[int], z0: float | None) -> tuple[float, di
     scale = getattr(run.model, "loss_scale", 1.0)  # FSDP averages gradients over ranks: W x makes it a sum
     mbs = list(micro_batches([(e.prompt_ids, e.continuations) for e in examples], run.tok.pad_token_id,
                              cfg.micro_batch_tokens, cfg.pad_to_multiple_of, run.device))
-    for (batch, idx), w in fsdp.rank_share(mbs, run.info):
+    for (batch, idx), w in ranks.rank_share(mbs, run.info):
         logps = fsdp.apply(run.model, sequence_logps, batch, cfg.mixed_precision)  # (S,)
         loss, m = preference_loss(run, logps, batch.loss_tokens, "train", [ids[j] for j in idx],
                                   [examples[j] for j in idx], z0)
@@ -290,7 +291,7 @@ def accumulate(run: DPORun, ids: list[int], z0: float | None) -> tuple[float, di
         seq_tokens += sum(len(examples[j].prompt_ids) * len(examples[j].continuations) + sum(map(len, examples[j].continuations))
                           for j in idx)
     meter.reduce(run.info)
-    total, computed, seq_tokens = fsdp.global_sum([total, computed, seq_tokens], run.info)
+    total, computed, seq_tokens = ranks.global_sum([total, computed, seq_tokens], run.info)
     return total, meter.result(), int(computed), int(seq_tokens)
 
 
@@ -374,7 +375,7 @@ def setup(cfg: DPOConfig) -> DPORun:
     """Data checked and tokenized before any model loads; then the model, the reference cache, the probe."""
     device = resolve_device(cfg.device)
     info = init_ranks(cfg)
-    device = fsdp.rank_device(device, info)
+    device = ranks.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
@@ -471,9 +472,9 @@ def plan_run(cfg: DPOConfig, model, train: list[TokenizedPair]) -> dict:
                    **run_hardware(model, cfg.dtype, cfg.mixed_precision))
 
 
-def init_ranks(cfg: DPOConfig) -> fsdp.DistInfo:
+def init_ranks(cfg: DPOConfig) -> ranks.DistInfo:
     """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
-    info = fsdp.init_from_env()
+    info = ranks.init_from_env()
     if info.world > 1:
         for on, what in ((cfg.lora.enabled, "lora"), (cfg.length_probe.prompts > 0, "the length probe (length_probe.prompts=0)")):
             if on:

@@ -8,7 +8,7 @@ Per optimizer step:
     5. log      metrics.jsonl (+ eval loss, held-out pass@1 with `eval_tasks`, samples, checkpoints at their intervals)
 
 Under `torchrun --nproc-per-node W -m posttrain sft …` the model is sharded with FSDP2 and each rank runs
-its share of the step's micro-batches (posttrain/systems/fsdp.py: same loss and update as one process on
+its share of the step's micro-batches (posttrain/recipes/sft_sharded.py: same loss and update as one process on
 the same global batch); checkpoints are distributed (DCP) and resume at any world size.
 """
 
@@ -40,7 +40,8 @@ from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
 from posttrain.training.run import progress, seed_everything
-from posttrain.systems import fsdp
+from posttrain.recipes import sft_sharded
+from posttrain.systems import dist, fsdp
 from posttrain.systems.faults import maybe_fail
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
@@ -134,7 +135,7 @@ def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], li
 
 
 @torch.no_grad()
-def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info: fsdp.DistInfo | None = None) -> float:
+def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info: dist.DistInfo | None = None) -> float:
     """Mean negative log-likelihood per loss token over `samples` (a sharded model: every rank calls it)."""
     if not samples:
         return float("nan")
@@ -143,7 +144,7 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info:
     device = next(model.parameters()).device
     batches = micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False, device=device)
     if info is not None and info.world > 1:
-        nll = fsdp.mean_nll(model, batches, info, cfg.logit_chunk, cfg.mixed_precision)
+        nll = sft_sharded.mean_nll(model, batches, info, cfg.logit_chunk, cfg.mixed_precision)
         model.train()
         return nll
     for b in batches:
@@ -212,14 +213,14 @@ def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_p
     return total
 
 
-def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig, info: fsdp.DistInfo,
+def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig, info: dist.DistInfo,
                timer: PhaseTimer) -> tuple[float, float]:
     """Steps 2-4: forward + backward normalised over the whole step, clip, AdamW, schedule.
     Sharded (W ranks): this rank's share of the micro-batches, the token count reduced once."""
     if info.world > 1:
         with timer("forward_backward_update"):
-            out = fsdp.sft_step(model, optimizer, batches, info, cfg.optim.max_grad_norm, cfg.logit_chunk,
-                                cfg.mixed_precision)
+            out = sft_sharded.sft_step(model, optimizer, batches, info, cfg.optim.max_grad_norm, cfg.logit_chunk,
+                                       cfg.mixed_precision)
             scheduler.step()
             synchronize(batches[0].input_ids.device)
         return out["loss"], out["grad_norm"]
@@ -231,9 +232,9 @@ def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig
     return loss_sum, grad_norm
 
 
-def init_ranks(cfg: SFTConfig) -> fsdp.DistInfo:
+def init_ranks(cfg: SFTConfig) -> dist.DistInfo:
     """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
-    info = fsdp.init_from_env()
+    info = dist.init_from_env()
     if info.world > 1:
         for on, what in ((cfg.lora.enabled, "lora"), (bool(cfg.eval_tasks.data), "eval_tasks")):
             if on:
@@ -246,7 +247,7 @@ def train(cfg: SFTConfig) -> dict:
     """Run SFT; returns the summary written to the report (rank 0; other ranks of a sharded run: {})."""
     device = resolve_device(cfg.device)  # refuse an unusable device before any work
     info = init_ranks(cfg)
-    device = fsdp.rank_device(device, info)
+    device = dist.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     out = life.out
     seed_everything(cfg.seed)

@@ -20,16 +20,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from posttrain.models.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.report import write_report
 from posttrain.monitor.sinks import open_sinks
+from posttrain.systems.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.training.run import setup_run
 
 
 class RunLifecycle:
     def __init__(self, cfg, dist_info=None):
-        from posttrain.systems.fsdp import DistInfo, barrier
+        from posttrain.systems.dist import DistInfo, barrier
 
         self.cfg = cfg
         self.info = dist_info or DistInfo()
@@ -93,7 +93,8 @@ class RunLifecycle:
         A sharded model is gathered (every rank) and written by rank 0."""
         path = self.out / "final"
         if self.sharded:
-            from posttrain.systems.fsdp import barrier, save_full
+            from posttrain.systems.dist import barrier
+            from posttrain.systems.fsdp import save_full
 
             save_full(model, tok, path, self.info)
             barrier(self.info)

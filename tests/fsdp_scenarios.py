@@ -1,10 +1,11 @@
-"""FSDP2 equivalence check on the tiny model: W ranks vs 1 rank on the same global batch (SFT and GRPO
-steps), and a distributed checkpoint written at W ranks resumed at 1.
+"""FSDP2 equivalence scenarios on the tiny model: W ranks vs 1 rank on the same global batch (SFT steps,
+posttrain/recipes/sft_sharded.py over posttrain/systems/fsdp.py), and a distributed checkpoint written at
+W ranks resumed at 1. tests/test_fsdp.py runs them in 2 spawned gloo processes; alone:
 
-    torchrun --nproc_per_node 2 -m posttrain.systems.fsdp_check      # gloo on CPU, NCCL on GPUs
+    torchrun --nproc_per_node 2 tests/fsdp_scenarios.py [DIR]      # gloo on CPU, NCCL on GPUs
 
-prints the largest differences and exits 1 when they exceed the fp32 summation-order tolerance.
-tests/test_fsdp.py runs the same scenarios in 2 spawned gloo processes.
+prints the largest differences and exits 1 when they exceed the fp32 summation-order tolerance. The RL
+recipe under torchrun (GRPO, PPO) is checked end to end by tests/test_fsdp.py::test_recipe_under_torchrun.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.systems.fsdp import DistInfo, Sharded, full_state, init_from_env, load_dcp, rl_step, save_dcp, shard_model, sft_step
+from posttrain.recipes.sft_sharded import sft_step
+from posttrain.systems.dist import DistInfo, init_from_env
+from posttrain.systems.fsdp import Sharded, full_state, load_dcp, save_dcp, shard_model
 
 STEPS = 3  # steps 1-2, checkpoint, step 3
 LR = 0.1
@@ -45,40 +48,10 @@ def sft_batches(tok) -> list:
     return [collate([[s]], tok.pad_token_id, False, 8) for s in samples]
 
 
-def rl_batches(tok) -> tuple[list, object]:
-    """GRPO micro-batches of two groups x 3 fixed random completions, advantages from the group baseline."""
-    from posttrain.algos import advantages
-    from posttrain.config import parse_args
-    from posttrain.data.templates import render_prompt
-    from posttrain.recipes.rl import RLConfig
-    from posttrain.rollout.trajectory import Trajectory, make_batches
-
-    cfg = parse_args(RLConfig, ["beta=0", "group_size=3"])
-    g = torch.Generator().manual_seed(1)
-    trajs = []
-    for group, q in enumerate(["Count to 3.", "Name a colour.", "Say hi."]):
-        prompt = render_prompt(tok, [{"role": "user", "content": q}])
-        for _ in range(3):
-            n = int(torch.randint(2, 7, (1,), generator=g))
-            ids = torch.randint(5, 200, (n,), generator=g).tolist()
-            trajs.append(Trajectory(prompt, ids, -torch.rand(n, generator=g), group, reward=float(torch.rand(1, generator=g))))
-    adv, _ = advantages.get("grpo")(torch.tensor([t.reward for t in trajs], dtype=torch.float64),
-                                    torch.tensor([t.group for t in trajs]))
-    for t, a in zip(trajs, adv.tolist()):
-        t.advantage = a
-    return make_batches(trajs, tok.pad_token_id, token_budget=40), cfg
-
-
-def _run(kind: str, info: DistInfo, model, optimizer, tok, steps: range, ckpt: Path | None = None) -> dict:
-    from posttrain.algos import policy_losses
-
+def _run(info: DistInfo, model, optimizer, tok, steps: range, ckpt: Path | None = None) -> dict:
     losses, norms = [], []
     for step in steps:
-        if kind == "sft":
-            m = sft_step(model, optimizer, sft_batches(tok), info, max_grad_norm=1.0)
-        else:
-            batches, cfg = rl_batches(tok)
-            m = rl_step(model, optimizer, batches, info, policy_losses.get("ppo"), cfg, "seq_mean_token_mean")
+        m = sft_step(model, optimizer, sft_batches(tok), info, max_grad_norm=1.0)
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
         if ckpt is not None and step == STEPS - 2:
@@ -86,24 +59,24 @@ def _run(kind: str, info: DistInfo, model, optimizer, tok, steps: range, ckpt: P
     return {"losses": losses, "grad_norms": norms, "weights": full_state(model.model if isinstance(model, Sharded) else model)}
 
 
-def distributed(kind: str, info: DistInfo, ckpt: Path) -> dict:
+def distributed(info: DistInfo, ckpt: Path) -> dict:
     """This rank's part of the W-rank run: STEPS steps, a DCP checkpoint after step STEPS - 1."""
     from posttrain.models.loading import load_tokenizer
 
     torch.manual_seed(0)
     model = shard_model(_model())
-    return _run(kind, info, model, _optimizer(model), load_tokenizer("tiny-random"), range(STEPS), ckpt)
+    return _run(info, model, _optimizer(model), load_tokenizer("tiny-random"), range(STEPS), ckpt)
 
 
-def single(kind: str) -> dict:
+def single() -> dict:
     """The 1-rank reference (plain model, no process group)."""
     from posttrain.models.loading import load_tokenizer
 
     model = Sharded(_model())
-    return _run(kind, DistInfo(), model, _optimizer(model), load_tokenizer("tiny-random"), range(STEPS))
+    return _run(DistInfo(), model, _optimizer(model), load_tokenizer("tiny-random"), range(STEPS))
 
 
-def resumed(kind: str, ckpt: Path) -> dict:
+def resumed(ckpt: Path) -> dict:
     """1 rank, from the W-rank checkpoint: the last step."""
     from posttrain.models.loading import load_tokenizer
 
@@ -111,7 +84,7 @@ def resumed(kind: str, ckpt: Path) -> dict:
     optimizer = _optimizer(model)
     state = load_dcp(ckpt, model, optimizer)
     assert state["step"] == STEPS - 1, state
-    return _run(kind, DistInfo(), model, optimizer, load_tokenizer("tiny-random"), range(STEPS - 1, STEPS))
+    return _run(DistInfo(), model, optimizer, load_tokenizer("tiny-random"), range(STEPS - 1, STEPS))
 
 
 def worst(a: dict, b: dict) -> float:
@@ -153,15 +126,13 @@ def main() -> int:
     info = init_from_env()
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.gettempdir()) / "posttrain_fsdp_check"
     ok = True
-    for kind in ("sft", "rl"):
-        out = distributed(kind, info, root / kind)
-        if info.main:
-            diff = differences(out, single(kind), resumed(kind, root / kind))
-            good = within(diff)
-            ok &= good
-            print(f"{kind}: {'OK' if good else 'MISMATCH'} at world size {info.world}: {diff}")
-        if info.world > 1:
-            dist.barrier()
+    out = distributed(info, root / "sft")
+    if info.main:
+        diff = differences(out, single(), resumed(root / "sft"))
+        ok = within(diff)
+        print(f"sft: {'OK' if ok else 'MISMATCH'} at world size {info.world}: {diff}")
+    if info.world > 1:
+        dist.barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0 if ok else 1

@@ -1,5 +1,6 @@
 """A simulated long-tail rollout device, for comparing synchronous and asynchronous RL on a CPU
-(benchmarks/async_longtail.py, tests/test_async_rl.py).
+(benchmarks/async_longtail.py, benchmarks/check_gpu.py; tests/test_async_rl.py imports it with benchmarks/
+on sys.path, which tests/conftest.py adds). Test and benchmark apparatus: not part of the package.
 
 `LongTailEngine` wraps the built-in engine (the tiny model really generates) and changes two things:
 

@@ -5,8 +5,8 @@ state.json is written last: a folder without it is incomplete and ignored. The f
 under a temporary name and renamed, so an interruption never leaves a half checkpoint in place.
 
 A run sharded over W ranks (torchrun + FSDP2, posttrain/systems/fsdp.py) writes the weights and the
-optimizer as a distributed checkpoint instead: checkpoints/step-N/{dcp/, scheduler.pt, rng.pt, state.json}.
-It resumes at any world size, one process included (DCP reshards on load).
+optimizer as a distributed checkpoint instead (fsdp.save_dcp): checkpoints/step-N/{dcp/, scheduler.pt,
+rng.pt, state.json}. It resumes at any world size, one process included (DCP reshards on load).
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, sched
                   info, extras: dict | None = None) -> Path:
     """Rank 0 writes scheduler, RNG and (last, after every rank's shards) state.json, then renames.
     `extras` (PPO's value model and its optimizer) go to their own distributed checkpoints, <name>/."""
-    import torch.distributed as dist
-
+    from posttrain.systems.dist import barrier
     from posttrain.systems.fsdp import save_dcp
 
     if info.main:
@@ -83,7 +82,7 @@ def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, sched
         tmp.mkdir(parents=True)
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-    dist.barrier()
+    barrier(info)
     for name, (module, opt) in (extras or {}).items():
         save_dcp(tmp / name, module, opt, {}, info)
     save_dcp(tmp, model, optimizer, state, info)  # barrier after the shards, then state.json on rank 0
@@ -92,7 +91,7 @@ def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, sched
         tmp.rename(final)
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    barrier(info)
     return final
 
 

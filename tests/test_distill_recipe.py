@@ -328,3 +328,57 @@ def test_cli_lists_distill_and_plan_takes_mode(capsys):
 
     with pytest.raises(UserError, match="disagree"):
         predict(8e9, "distill", mode="logit", distill="sequence")
+
+
+# ---------------------------------------------------------------- the configs distillation derives
+
+
+def test_a_field_added_to_both_configs_reaches_the_derived_config(monkeypatch):
+    # sft_settings, rl_settings and rs_settings copy every field the configs share (training/settings.py):
+    # a field added to DistillConfig and to the recipe's config needs no key list to reach the derived config
+    from posttrain.recipes import rl, rs
+    from posttrain.recipes.distill import config as distill_config
+    from posttrain.recipes.distill import on_policy, sequence
+
+    class DistillPlus(distill_config.DistillConfig):
+        new_knob: int = 0
+
+    class SFTPlus(distill_config.SFTConfig):
+        new_knob: int = 0
+
+    class RLPlus(rl.RLConfig):
+        new_knob: int = 0
+
+    class RSPlus(rs.RSConfig):
+        new_knob: int = 0
+
+    class RSTrainPlus(rs.RSTrainSettings):
+        new_knob: int = 0
+
+    monkeypatch.setattr(distill_config, "SFTConfig", SFTPlus)
+    monkeypatch.setattr(rl, "RLConfig", RLPlus)
+    monkeypatch.setattr(rs, "RSConfig", RSPlus)
+    monkeypatch.setattr(rs, "RSTrainSettings", RSTrainPlus)
+    cfg = DistillPlus(teacher="t", new_knob=7)
+    assert distill_config.sft_settings(cfg).new_knob == 7
+    assert on_policy.rl_settings(cfg).new_knob == 7
+    seq = sequence.rs_settings(cfg.model_copy(update={"mode": "sequence"}))
+    assert seq.new_knob == 7 and seq.train.new_knob == 7
+
+
+def test_derived_configs_hold_every_shared_value():
+    # non-default values of every field distillation shares with SFT and RL arrive unchanged (but the keys
+    # the derivation sets itself: RL's beta is the KL coefficient, distillation's is JSD's)
+    from posttrain.config import parse_args
+    from posttrain.recipes.distill import DistillConfig, on_policy, sft_settings
+
+    cfg = parse_args(DistillConfig, ["teacher=t", "model=m", "data=d.jsonl", "max_steps=7", "seed=3", "dtype=bfloat16",
+                                     "batch_size=5", "logit_chunk=33", "optim.lr=0.5", "save_every=3", "progress=false",
+                                     "prompts_per_step=3", "group_size=5", "max_new_tokens=9", "reward_args={math: {}}",
+                                     "mask_truncated=true", "report_to=tensorboard"])
+    for derived, own in ((sft_settings(cfg), {"eval_fraction", "forgetting_probe", "sample_every"}),
+                         (on_policy.rl_settings(cfg), {"reward", "beta", "dynamic_sampling"})):
+        shared = set(type(derived).model_fields) & set(DistillConfig.model_fields)
+        assert shared - own, shared
+        for k in shared - own:
+            assert getattr(derived, k) == getattr(cfg, k), k

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import math
 import os
 import time
@@ -44,23 +43,22 @@ from posttrain.data.prefix_batch import micro_batches
 from posttrain.data.preference import TokenizedPair, load_split
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device, synchronize
-from posttrain.models.forward import unwrap
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
-from posttrain.plan import predict
-from posttrain.plan.cpu import run_hardware
-from posttrain.plan.measure import Measured, write_measured, write_plan
+from posttrain.plan.measure import Measured, write_plan
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
-from posttrain.training.run import progress, seed_everything
+from posttrain.training import run as training_run
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.plan import measured_plan, predict_run
+from posttrain.training.run import seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
 from posttrain.systems import dist as ranks  # `dist` is torch.distributed in Meter.reduce
 from posttrain.systems import fsdp
-from posttrain.systems.faults import maybe_fail
 
 FILLED_BY_RECIPE = ("chosen_lengths", "rejected_lengths", "kl")  # loss arguments the recipe passes itself
 
@@ -434,14 +432,16 @@ def checkpoint_state(run: DPORun) -> dict:
             "initial_eval": run.initial_eval}
 
 
+def checkpoint_args(run: DPORun) -> CheckpointArgs:
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run))
+
+
 def finish(run: DPORun) -> dict:
     cfg, life = run.cfg, run.life
-    if cfg.max_steps > life.start:  # the final checkpoint keeps resume possible
-        life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=True)
     life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
     if not life.main:
         return {}
-    plan = json.loads(write_measured(life.out, run.measured).read_text())
+    plan = measured_plan(life.out, run.measured)
     history = life.history()
     evals = [r for r in history if "eval/accuracy" in r or "eval/label_accuracy" in r]
     trainable, total = trainable_fraction(run.model)
@@ -466,33 +466,21 @@ def plan_run(cfg: DPOConfig, model, train: list[TokenizedPair]) -> dict:
     seq_len = max(1, round(sum(seqs) / len(seqs)))
     per_pair = max(1, round(sum(len(e) for e in train) / len(train)))
     micro = max(1, min(2 * cfg.batch_size, 2 * (cfg.micro_batch_tokens // per_pair)))
-    return predict(unwrap(model).config, "dpo", batch=cfg.batch_size, seq_len=seq_len, micro_batch=micro,
-                   dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", steps=max(cfg.max_steps, 1),
-                   lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0, precompute_ref=True,
-                   **run_hardware(model, cfg.dtype, cfg.mixed_precision))
+    return predict_run(cfg, model, "dpo", steps=cfg.max_steps, batch=cfg.batch_size, seq_len=seq_len, micro_batch=micro,
+                       precompute_ref=True)
 
 
 def init_ranks(cfg: DPOConfig) -> ranks.DistInfo:
     """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
-    info = ranks.init_from_env()
-    if info.world > 1:
-        for on, what in ((cfg.lora.enabled, "lora"), (cfg.length_probe.prompts > 0, "the length probe (length_probe.prompts=0)")):
-            if on:
-                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world})")
-    return info
+    return training_run.init_ranks([(cfg.lora.enabled, "lora"),
+                                    (cfg.length_probe.prompts > 0, "the length probe (length_probe.prompts=0)")])
 
 
 def train(cfg: DPOConfig) -> dict:
     """Run the preference optimisation; returns the summary (rank 0; other ranks of a sharded run: {})."""
     run = setup(cfg)
-    bar = progress(cfg.max_steps, run.life.start, f"dpo/{cfg.loss}", cfg.progress and run.life.main)
-    for step in range(run.life.start, cfg.max_steps):
-        logged = dpo_step(run, step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{logged['loss']:.4f}")
-        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler, checkpoint_state(run))
-        maybe_fail(run.info.rank, step + 1, run.life.out)
-    bar.close()
+    run_loop(run.life, cfg, lambda step: dpo_step(run, step), lambda: checkpoint_args(run), desc=f"dpo/{cfg.loss}",
+             postfix=lambda row: {"loss": f"{row['loss']:.4f}"})
     return finish(run)
 
 

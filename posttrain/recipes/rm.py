@@ -18,7 +18,6 @@ and is a reward anywhere a reward is taken: `reward=rm:runs/rm/final` (rewards/r
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,16 +30,15 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data.prefix_batch import micro_batches
 from posttrain.data.preference import TokenizedPair, load_split
 from posttrain.models.device import resolve_device, synchronize
-from posttrain.models.forward import unwrap
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
-from posttrain.plan import predict
-from posttrain.plan.cpu import run_hardware
-from posttrain.plan.measure import Measured, write_measured, write_plan
+from posttrain.plan.measure import Measured, write_plan
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
-from posttrain.training.run import progress, seed_everything
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.plan import measured_plan, predict_run
+from posttrain.training.run import seed_everything
 from posttrain.training.lifecycle import RunLifecycle
 
 
@@ -184,19 +182,18 @@ def setup(cfg: RMConfig) -> RMRun:
 def plan_run(cfg: RMConfig, model, train: list[TokenizedPair]) -> dict:
     seqs = [len(e.prompt_ids) + len(c) for e in train for c in e.continuations]
     per_pair = max(1, round(sum(len(e) for e in train) / len(train)))
-    return predict(unwrap(model).config, "rm", batch=cfg.batch_size, seq_len=max(1, round(sum(seqs) / len(seqs))),
-                   micro_batch=max(1, min(2 * cfg.batch_size, 2 * (cfg.micro_batch_tokens // per_pair))),
-                   dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", steps=max(cfg.max_steps, 1),
-                   logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))
+    return predict_run(cfg, model, "rm", steps=cfg.max_steps, batch=cfg.batch_size, seq_len=max(1, round(sum(seqs) / len(seqs))),
+                       micro_batch=max(1, min(2 * cfg.batch_size, 2 * (cfg.micro_batch_tokens // per_pair))))
+
+
+def checkpoint_args(run: RMRun) -> CheckpointArgs:
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "initial_eval": run.initial_eval})
 
 
 def finish(run: RMRun) -> dict:
     cfg, life = run.cfg, run.life
-    state = {"sampler": run.sampler.state(), "initial_eval": run.initial_eval}
-    if cfg.max_steps > life.start:
-        life.checkpoint(cfg.max_steps, run.model, run.optimizer, run.scheduler, state, force=True)
     life.save_final(run.model, run.tok)
-    plan = json.loads(write_measured(life.out, run.measured).read_text())
+    plan = measured_plan(life.out, run.measured)
     history = life.history()
     last_eval = next((r for r in reversed(history) if "train_eval/accuracy" in r), {})
     summary = {
@@ -213,14 +210,8 @@ def finish(run: RMRun) -> dict:
 
 def train(cfg: RMConfig) -> dict:
     run = setup(cfg)
-    bar = progress(cfg.max_steps, run.life.start, "rm", cfg.progress)
-    for step in range(run.life.start, cfg.max_steps):
-        logged = rm_step(run, step)
-        bar.update(1)
-        bar.set_postfix(loss=f"{logged['loss']:.4f}", acc=f"{logged['rm/accuracy']:.2f}")
-        run.life.checkpoint(step + 1, run.model, run.optimizer, run.scheduler,
-                            {"sampler": run.sampler.state(), "initial_eval": run.initial_eval})
-    bar.close()
+    run_loop(run.life, cfg, lambda step: rm_step(run, step), lambda: checkpoint_args(run), desc="rm",
+             postfix=lambda row: {"loss": f"{row['loss']:.4f}", "acc": f"{row['rm/accuracy']:.2f}"})
     return finish(run)
 
 

@@ -296,13 +296,13 @@ def log_samples(run: RSRun, r: int, kept: list[list[Sample]]) -> None:
 def setup(cfg: RSConfig) -> RSRun:
     """Data, reward and the run directory, checked before any model loads."""
     from posttrain.models.loading import load_tokenizer
-    from posttrain.recipes.rl import build_reward
+    from posttrain.rewards.build import build_reward
 
     out = Path(cfg.output_dir)
     if not cfg.resume and any(out.glob("round-*/round.json")):
         raise UserError(f"{out} already holds an rs run: pass resume=true, or choose another output_dir")
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-    reward_fn = build_reward(cfg, rows)  # the RL recipe's: composition, options, columns checked against the data
+    reward_fn = build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # columns checked against the data
     tok = load_tokenizer(cfg.model)
     life = RunLifecycle(cfg)
     done = len(finished_rounds(life.out, cfg.rounds)) if cfg.resume else None

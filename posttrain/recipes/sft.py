@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,23 +27,22 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
-from posttrain.errors import UserError
 from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
-from posttrain.plan import predict
-from posttrain.plan.cpu import run_hardware
-from posttrain.plan.measure import Measured, write_measured, write_plan
+from posttrain.plan.measure import Measured, write_plan
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
-from posttrain.training.run import progress, seed_everything
+from posttrain.training import run as training_run
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.plan import measured_plan, planned_tokens, predict_run
+from posttrain.training.run import seed_everything
 from posttrain.recipes import sft_sharded
 from posttrain.systems import dist, fsdp
-from posttrain.systems.faults import maybe_fail
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
 PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"
@@ -234,22 +234,44 @@ def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig
 
 def init_ranks(cfg: SFTConfig) -> dist.DistInfo:
     """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
-    info = dist.init_from_env()
-    if info.world > 1:
-        for on, what in ((cfg.lora.enabled, "lora"), (bool(cfg.eval_tasks.data), "eval_tasks")):
-            if on:
-                raise UserError(f"{what} is not supported under torchrun yet (world size {info.world}): "
-                                "run it in one process")
-    return info
+    return training_run.init_ranks([(cfg.lora.enabled, "lora"), (bool(cfg.eval_tasks.data), "eval_tasks")],
+                                   hint="run it in one process")
 
 
-def train(cfg: SFTConfig) -> dict:
-    """Run SFT; returns the summary written to the report (rank 0; other ranks of a sharded run: {})."""
+@dataclass(eq=False)
+class SFTRun:
+    """Everything a step needs, built once by `setup`."""
+
+    cfg: SFTConfig
+    life: RunLifecycle
+    tok: object
+    train: list[Tokenized]
+    evals: list[Tokenized]
+    sample_convs: list[list[dict]]
+    eval_hook: EvalHook
+    units: list[list[Tokenized]]
+    model: torch.nn.Module  # the trained model (under torchrun: its FSDP root)
+    optimizer: object
+    scheduler: object
+    sampler: EpochSampler
+    device: torch.device
+    info: dist.DistInfo
+    trainable: int
+    total: int
+    summary: dict = field(default_factory=dict)  # probe losses (checkpointed), then the run's summary
+    metrics: object = None
+    measured: Measured = field(default_factory=Measured)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    tokens_seen: int = 0  # this session
+    t_run: float = 0.0
+
+
+def setup(cfg: SFTConfig) -> SFTRun:
+    """Data checked and tokenized before the model loads; then the model, optimizer, resume and the plan."""
     device = resolve_device(cfg.device)  # refuse an unusable device before any work
     info = init_ranks(cfg)
     device = dist.rank_device(device, info)
     life = RunLifecycle(cfg, info)
-    out = life.out
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model)
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
@@ -267,87 +289,96 @@ def train(cfg: SFTConfig) -> dict:
     trainable, total = trainable_fraction(model)
     inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
-    sampler = EpochSampler(len(units), cfg.seed)
-    pad_id = tok.pad_token_id
+    run = SFTRun(cfg, life, tok, train_samples, eval_samples, sample_convs, eval_hook, units, model, optimizer,
+                 scheduler, EpochSampler(len(units), cfg.seed), device, info, trainable, total, measured=measured)
 
     state = life.restore(model, optimizer, scheduler)
-    start, summary = life.start, state.get("summary", {})
+    run.summary = state.get("summary", {})
     if state:
-        sampler.load(state["sampler"])
+        run.sampler.load(state["sampler"])
     elif cfg.forgetting_probe:
-        summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), pad_id, cfg, info)
+        run.summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), tok.pad_token_id, cfg, info)
     if life.main:
-        write_plan(out, plan_run(cfg, inner, units, sampler, cfg.max_steps - start))
-    metrics = life.metrics()
+        write_plan(life.out, plan_run(cfg, inner, units, run.sampler, cfg.max_steps - life.start))
+    run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
+    return run
 
-    timer = PhaseTimer()
-    bar = progress(cfg.max_steps, start, "sft", cfg.progress and life.main)
-    t_run = time.perf_counter()
-    tokens_seen = 0
-    for step in range(start, cfg.max_steps):
-        t0 = time.perf_counter()
-        # 1. data
-        with timer("data"):
-            step_units = [units[i] for i in sampler.take(cfg.batch_size)]
-            batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of, device)
-            n_loss = sum(b.num_loss_tokens for b in batches)
-        # 2-4. forward + loss normalised over the whole step, update
-        lr = scheduler.get_last_lr()[0]
-        loss_sum, grad_norm = sft_update(model, optimizer, scheduler, batches, cfg, info, timer)
-        # 5. log
-        n_tok = sum(b.num_tokens for b in batches)
-        n_pad = sum(b.num_padding for b in batches)
-        tokens_seen += n_tok
-        measured.add_step(n_tok)
-        dt = time.perf_counter() - t0
-        row = {
-            "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": n_tok, "loss_tokens": n_loss,
-            "padding_tokens": n_pad, "padding_fraction": n_pad / (n_tok + n_pad), "tokens_per_s": n_tok / dt, "epoch": sampler.epoch,
-            **timer.pop(),
-        }
-        done = step + 1
-        if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
-            row["eval/loss"] = mean_nll(model, eval_samples, pad_id, cfg, info)
-        if eval_hook.due(done, last=done == cfg.max_steps):
-            row.update(task_eval(eval_hook, model, tok, cfg, done))
-        if cfg.sample_every and sample_convs and info.world == 1 and (done % cfg.sample_every == 0 or done == cfg.max_steps):
-            write_samples(model, tok, sample_convs, done, out / "samples.jsonl", cfg.sample_max_tokens)
-        logged = metrics.write(done, row)
-        bar.update(1)
-        bar.set_postfix(loss=f"{logged['loss']:.4f}", lr=f"{lr:.2e}")
-        life.checkpoint(done, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary})
-        maybe_fail(info.rank, done, out)
-    bar.close()
 
-    if cfg.max_steps > start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
-        life.checkpoint(cfg.max_steps, model, optimizer, scheduler, {"sampler": sampler.state(), "summary": summary},
-                        force=True)
+def sft_step(run: SFTRun, step: int) -> dict:
+    """One optimizer step (0-based `step`); returns the metrics row it logged."""
+    cfg, timer, pad_id = run.cfg, run.timer, run.tok.pad_token_id
+    t0 = time.perf_counter()
+    # 1. data
+    with timer("data"):
+        step_units = [run.units[i] for i in run.sampler.take(cfg.batch_size)]
+        batches = micro_batches(step_units, cfg.micro_batch_size, pad_id, cfg.packing, cfg.pad_to_multiple_of, run.device)
+        n_loss = sum(b.num_loss_tokens for b in batches)
+    # 2-4. forward + loss normalised over the whole step, update
+    lr = run.scheduler.get_last_lr()[0]
+    loss_sum, grad_norm = sft_update(run.model, run.optimizer, run.scheduler, batches, cfg, run.info, timer)
+    # 5. log
+    n_tok = sum(b.num_tokens for b in batches)
+    n_pad = sum(b.num_padding for b in batches)
+    run.tokens_seen += n_tok
+    run.measured.add_step(n_tok)
+    dt = time.perf_counter() - t0
+    row = {
+        "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": n_tok, "loss_tokens": n_loss,
+        "padding_tokens": n_pad, "padding_fraction": n_pad / (n_tok + n_pad), "tokens_per_s": n_tok / dt, "epoch": run.sampler.epoch,
+        **timer.pop(),
+    }
+    done = step + 1
+    if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+        row["eval/loss"] = mean_nll(run.model, run.evals, pad_id, cfg, run.info)
+    if run.eval_hook.due(done, last=done == cfg.max_steps):
+        row.update(task_eval(run.eval_hook, run.model, run.tok, cfg, done))
+    if cfg.sample_every and run.sample_convs and run.info.world == 1 and (done % cfg.sample_every == 0 or done == cfg.max_steps):
+        write_samples(run.model, run.tok, run.sample_convs, done, run.life.out / "samples.jsonl", cfg.sample_max_tokens)
+    return run.metrics.write(done, row)
+
+
+def checkpoint_args(run: SFTRun) -> CheckpointArgs:
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "summary": run.summary})
+
+
+def train(cfg: SFTConfig) -> dict:
+    """Run SFT; returns the summary written to the report (rank 0; other ranks of a sharded run: {})."""
+    run = setup(cfg)
+    run.t_run = time.perf_counter()
+    run_loop(run.life, cfg, lambda step: sft_step(run, step), lambda: checkpoint_args(run), desc="sft",
+             postfix=lambda row: {"loss": f"{row['loss']:.4f}", "lr": f"{row['lr']:.2e}"})
+    return finish(run)
+
+
+def finish(run: SFTRun) -> dict:
+    """The forgetting probe after training, final/, summary.json and the report."""
+    cfg, life, summary = run.cfg, run.life, run.summary
     if cfg.forgetting_probe:
-        summary["probe_loss_after"] = mean_nll(model, probe_samples(tok), pad_id, cfg, info)
+        summary["probe_loss_after"] = mean_nll(run.model, probe_samples(run.tok), run.tok.pad_token_id, cfg, run.info)
         if "probe_loss_before" in summary:
             summary["probe_loss_delta"] = summary["probe_loss_after"] - summary["probe_loss_before"]
-    life.save_final(model, tok, lora=cfg.lora.enabled)
+    life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
     if not life.main:
         return {}
     rows = life.history()
     summary.update({
         "steps": cfg.max_steps,
-        "trainable_params": trainable,
-        "total_params": total,
-        "trainable_fraction": trainable / total,
-        "train_samples": len(train_samples),
-        "train_rows": len(units),
-        "eval_samples": len(eval_samples),
+        "trainable_params": run.trainable,
+        "total_params": run.total,
+        "trainable_fraction": run.trainable / run.total,
+        "train_samples": len(run.train),
+        "train_rows": len(run.units),
+        "eval_samples": len(run.evals),
         "first_loss": rows[0]["loss"] if rows else math.nan,
         "last_loss": rows[-1]["loss"] if rows else math.nan,
         "final_eval_loss": rows[-1].get("eval/loss", math.nan) if rows else math.nan,
         "padding_fraction": sum(r["padding_tokens"] for r in rows) / max(1, sum(r["tokens"] + r["padding_tokens"] for r in rows)),
-        "wall_seconds_this_session": time.perf_counter() - t_run,
-        "tokens_this_session": tokens_seen,
-        "world_size": info.world,
+        "wall_seconds_this_session": time.perf_counter() - run.t_run,
+        "tokens_this_session": run.tokens_seen,
+        "world_size": run.info.world,
     })
-    plan = json.loads(write_measured(out, measured).read_text())
+    plan = measured_plan(life.out, run.measured)
     life.finish(summary, f"SFT — {cfg.model}", {"summary": summary, "plan vs measured": plan_comparison(plan)})
     summary["plan_vs_measured"] = plan_comparison(plan)
     return summary
@@ -359,16 +390,9 @@ def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: Epoch
     The sampler is deterministic, so the rows of every remaining step are known before training:
     `data_plan.tokens` is what the trainer will count, to the token.
     """
-    from copy import deepcopy
-    from posttrain.models.forward import unwrap
-
-    pred = predict(unwrap(model).config, "sft", batch=cfg.batch_size, seq_len=cfg.max_length,
-                   micro_batch=cfg.micro_batch_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
-                   steps=max(steps, 1), lora_r=cfg.lora.r if cfg.lora.enabled else 0, logit_copies=0,
-                   **run_hardware(model, cfg.dtype, cfg.mixed_precision))
-    probe = deepcopy(sampler)
-    row_tokens = [sum(len(s) for s in u) for u in units]
-    per_step = [sum(row_tokens[i] for i in probe.take(cfg.batch_size)) for _ in range(steps)]
+    pred = predict_run(cfg, model, "sft", steps=steps, batch=cfg.batch_size, seq_len=cfg.max_length,
+                       micro_batch=cfg.micro_batch_size)
+    per_step = planned_tokens(sampler, steps, cfg.batch_size, [sum(len(s) for s in u) for u in units])
     pred["data_plan"] = {"steps": steps, "tokens": sum(per_step), "tokens_per_step_mean": sum(per_step) / max(steps, 1)}
     return pred
 

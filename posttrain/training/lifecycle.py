@@ -38,6 +38,7 @@ class RunLifecycle:
         self.out = setup_run(cfg, resume=cfg.resume, write=self.info.main)
         barrier(self.info)
         self.start = 0
+        self.restored: dict = {}  # the state of the checkpoint `restore` loaded ({} on a fresh run)
         self.writer: MetricsWriter | None = None
 
     @property
@@ -58,7 +59,7 @@ class RunLifecycle:
         if self.resume_from is None:
             return {}
         state = load_checkpoint(self.resume_from, model, optimizer, scheduler, extras)
-        self.start = state["step"]
+        self.start, self.restored = state["step"], state
         return state
 
     def metrics(self) -> MetricsWriter:
@@ -74,10 +75,18 @@ class RunLifecycle:
         return self.writer
 
     def fresh_file(self, name: str) -> Path:
-        """A run-directory file that a fresh run empties and a resumed run appends to."""
+        """A run-directory JSON-lines file that a fresh run empties and a resumed run appends to, once the
+        lines of steps after the checkpoint (written before the run was cut) are dropped (call after `restore`)."""
         path = self.out / name
-        if not self.resuming and self.main:
+        if not self.main:
+            return path
+        if not self.resuming:
             path.write_text("")
+        elif path.is_file():
+            lines = path.read_text().splitlines(keepends=True)
+            kept = [line for line in lines if _step_of(line) <= self.start]
+            if len(kept) < len(lines):
+                path.write_text("".join(kept))
         return path
 
     def checkpoint(self, done: int, model, optimizer, scheduler, state: dict, force: bool = False,
@@ -121,3 +130,12 @@ class RunLifecycle:
         write_report(self.out, title, {**sections, "config": self.cfg.model_dump(mode="json")})
         if self.writer is not None:
             self.writer.close()
+
+
+def _step_of(line: str) -> int:
+    """The `step` of a JSON-lines record (0: none, or not a JSON object)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return 0
+    return record.get("step", 0) if isinstance(record, dict) else 0

@@ -37,3 +37,18 @@ def progress(total: int, initial: int, desc: str, enabled: bool = True):
 
     return tqdm(total=total, initial=initial, desc=desc, disable=not enabled or os.environ.get("POSTTRAIN_NO_PROGRESS") == "1",
                 file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def init_ranks(refusals=(), hint: str = ""):
+    """torchrun's ranks (world size 1 without torchrun). Under torchrun, refuses the first of `refusals`,
+    (on, what) pairs naming what a sharded run cannot do yet, that is on: "what: not supported under torchrun
+    yet (world size W)", then `hint`."""
+    from posttrain.systems.dist import init_from_env
+
+    info = init_from_env()
+    if info.world > 1:
+        for on, what in refusals:
+            if on:
+                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world})"
+                                + (f"; {hint}" if hint else ""))
+    return info

@@ -1,5 +1,6 @@
 """The teacher side of distillation: the same-tokenizer check, the teacher's fingerprint (a cache key),
-full logits at the positions that carry loss, and a chunked loss/backward over those positions.
+full logits at the positions that carry loss, a chunked loss/backward over those positions, and the
+teacher's side of plan.json (what the planner reads for it, what the run measured of it).
 
     check_same_tokenizer(student_tok, teacher_tok, "student-folder", "teacher-folder")  # UserError otherwise
     logits = position_logits(model, batch, "none", positions)                           # (M, V) fp32
@@ -21,6 +22,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.models.forward import backbone_and_head, hidden_states
+from posttrain.plan.measure import Measured, write_measured
 
 
 # ---------------------------------------------------------------- tokenizers
@@ -67,6 +69,16 @@ def check_same_vocab_size(student_model, teacher_model, student: str, teacher: s
     if vs != vt:
         raise UserError(f"teacher '{teacher}' has {vt} output logits and student '{student}' has {vs}: "
                         "logit and on-policy distillation need the same vocabulary size")
+
+
+def load_checked_tokenizers(cfg):
+    """(student tokenizer, teacher tokenizer) of a DistillConfig; logit and on-policy modes refuse different vocabularies."""
+    from posttrain.models.loading import load_tokenizer
+
+    tok, teacher_tok = load_tokenizer(cfg.model), load_tokenizer(cfg.teacher)
+    if cfg.mode != "sequence":
+        check_same_tokenizer(tok, teacher_tok, cfg.model, cfg.teacher, cfg.mode)
+    return tok, teacher_tok
 
 
 # ---------------------------------------------------------------- fingerprint
@@ -149,3 +161,37 @@ def chunked_backward(h: torch.Tensor, head, loss_of_chunk, chunk: int, whole=Non
     if h.requires_grad and hd.grad is not None:
         h.backward(hd.grad)
     return total, metrics
+
+
+# ---------------------------------------------------------------- the planner's teacher, measured
+
+
+def teacher_spec(teacher: str, student_config):
+    """What the planner reads for the teacher: its name or folder, or (a PEFT adapter folder, whose size is its
+    base's) the student's config."""
+    from posttrain.plan.predict import resolve_model
+
+    try:
+        resolve_model(teacher, "teacher")
+        return teacher
+    except UserError:
+        return student_config
+
+
+def write_distill_measured(out: Path, measured: Measured, extra: dict) -> dict:
+    """plan.json's `measured` plus the teacher's measured side, and predicted/measured ratios for it."""
+    path = write_measured(out, measured)
+    plan = json.loads(path.read_text())
+    plan["measured"]["teacher"] = extra
+    pred = plan["predicted"].get("teacher", {})
+    comparison = plan.setdefault("comparison", {})
+    if pred.get("cache_bytes") and "cache_bytes" in extra:
+        comparison["cache_bytes_over_predicted"] = extra["cache_bytes"] / pred["cache_bytes"]
+    if pred.get("tokens_to_score") and "teacher_tokens_scored" in extra:
+        comparison["teacher_tokens_over_predicted"] = extra["teacher_tokens_scored"] / pred["tokens_to_score"]
+    if pred.get("scored_tokens_per_step") and "scored_tokens" in extra and measured.steps:
+        comparison["teacher_tokens_over_predicted"] = extra["scored_tokens"] / (pred["scored_tokens_per_step"] * measured.steps)
+    if plan["predicted"].get("data_plan"):
+        comparison["tokens_over_data_plan"] = measured.tokens / max(plan["predicted"]["data_plan"]["tokens"], 1)
+    path.write_text(json.dumps(plan, indent=2))
+    return plan

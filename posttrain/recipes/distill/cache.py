@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from posttrain.data.packing import IGNORE, collate
+from posttrain.recipes.distill.teacher import position_logits
 
 VALUE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
@@ -97,8 +98,6 @@ def build(path: Path, teacher, samples, *, k: int, temperature: float, value_dty
           pad_id: int, mixed_precision: str, token_budget: int, device) -> tuple[TeacherCache, int, float]:
     """Score every sample's loss tokens with the teacher and write the cache folder atomically.
     Returns (cache, tokens scored, seconds)."""
-    from posttrain.recipes.distill_teacher import position_logits
-
     counts = loss_token_counts(samples)
     n = sum(counts)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")

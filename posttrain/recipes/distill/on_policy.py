@@ -3,8 +3,8 @@ Learning from Self-Generated Mistakes"): the student samples, the teacher scores
 the student's samples, and the student minimises a divergence to the teacher there.
 
 One step (`distill_step`) reads top to bottom; the phase names are the timer names:
-    1. collect    the RL recipe's `collect`: B prompts × G student samples from the engine, the reward
-                  scored on them (logged; trained only with rl_weight > 0)
+    1. collect    the RL run's rollout source (`rollout.collect`): B prompts × G student samples from the
+                  engine, the reward scored on them (logged; trained only with rl_weight > 0)
     2. advantage  rl_weight > 0 only: the RL algorithm's outcome advantages
     3. teacher    teacher logits at every student token's position, one packed forward per micro-batch
                   (the group's prompt once, as in RL: rollout/trajectory.py)
@@ -33,16 +33,26 @@ import torch
 from posttrain.algos import distill_losses
 from posttrain.config import save_yaml
 from posttrain.models.forward import backbone_and_head
-from posttrain.monitor.alarms import AlarmStop
 from posttrain.plan.measure import write_plan
 from posttrain.recipes import rl
+from posttrain.recipes.distill.config import NO_REWARD, DistillConfig
+from posttrain.recipes.distill.teacher import (
+    check_same_vocab_size,
+    chunked_backward,
+    head_logits,
+    load_checked_tokenizers,
+    position_hidden,
+    position_logits,
+    teacher_spec,
+    write_distill_measured,
+)
 from posttrain.recipes.rl import phases as ph
-from posttrain.training.run import progress
-from posttrain.recipes.distill_teacher import chunked_backward, head_logits, position_hidden, position_logits
 from posttrain.rewards.base import register
 from posttrain.rollout.trajectory import make_batches
-
-NO_REWARD = "none"
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.optim import optimizer_step
+from posttrain.training.plan import plan_dtype
+from posttrain.training.settings import derive
 
 
 @register(NO_REWARD)
@@ -53,27 +63,23 @@ def no_reward(prompts, completions, **kwargs):
 
 @dataclass(eq=False)
 class OnPolicyRun:
-    cfg: object  # DistillConfig
+    cfg: DistillConfig
     rl: rl.RLRun  # the RL recipe's run: student, engine, optimizer, data, reward, lifecycle, alarms
     teacher: torch.nn.Module
     teacher_tokens: int = 0  # positions scored by the teacher (this session)
     teacher_forward_tokens: int = 0  # tokens through the teacher's forward (prompts once per group)
+    teacher_tokens_before: int = 0  # positions scored in the sessions before a resume (logged: the whole run's)
 
 
-def rl_settings(cfg) -> rl.RLConfig:
-    """The RL recipe's config for the student: β = 0 (the teacher is the only constraint), no dynamic sampling."""
-    keys = ("model", "data", "output_dir", "max_steps", "seed", "resume", "mixed_precision", "device", "dtype",
-            "prompts_per_step", "group_size", "sampling", "engine", "micro_batch_tokens", "optim", "alarms", "eval",
-            "save_every", "keep_checkpoints", "samples_per_log", "progress", "reward_args", "mask_truncated", "algo")
-    return rl.RLConfig(**{k: getattr(cfg, k) for k in keys}, reward=cfg.reward or NO_REWARD, beta=0.0,
-                       dynamic_sampling=False)
+def rl_settings(cfg: DistillConfig) -> rl.RLConfig:
+    """The RL recipe's config for the student: every field the two configs share (training/settings.py), but
+    β = 0 (the teacher is the only constraint; distillation's `beta` is JSD's), no dynamic sampling."""
+    return derive(cfg, rl.RLConfig, reward=cfg.reward or NO_REWARD, beta=0.0, dynamic_sampling=False)
 
 
-def setup(cfg) -> OnPolicyRun:
+def setup(cfg: DistillConfig) -> OnPolicyRun:
     """Tokenizers checked first; then the RL recipe's setup (data, reward, student, engine, resume); the teacher."""
     from posttrain.models.loading import load_model
-    from posttrain.recipes.distill import load_checked_tokenizers
-    from posttrain.recipes.distill_teacher import check_same_vocab_size
 
     load_checked_tokenizers(cfg)  # refuses a tokenizer mismatch before any model loads
     run = rl.setup(rl_settings(cfg))
@@ -81,7 +87,7 @@ def setup(cfg) -> OnPolicyRun:
     teacher = load_model(cfg.teacher, dtype=cfg.teacher_dtype, seed=cfg.seed, device=run.device)
     teacher.eval().requires_grad_(False)
     check_same_vocab_size(run.model, teacher, cfg.model, cfg.teacher)
-    out = OnPolicyRun(cfg, run, teacher)
+    out = OnPolicyRun(cfg, run, teacher, teacher_tokens_before=run.life.restored.get("teacher_tokens", 0))
     write_plan(run.life.out, plan_run(out))
     return out
 
@@ -93,8 +99,8 @@ def distill_step(run: OnPolicyRun, step: int) -> dict:
     """One optimizer step of on-policy distillation; returns the metrics row it logged."""
     cfg, r = run.cfg, run.rl
     t0 = time.perf_counter()
-    # 1. collect: the student samples; the reward scores them (the RL recipe's collect)
-    trajs, collect_metrics = rl.collect(r, step)
+    # 1. collect: the student samples; the reward scores them (the RL run's rollout source)
+    trajs, collect_metrics = r.rollout.collect(r, step)
     # 2. advantage: only the RL term needs one
     adv_metrics = {}
     if cfg.rl_weight > 0:
@@ -125,13 +131,13 @@ def update(run: OnPolicyRun, batches) -> dict:
                 sums[k] = sums.get(k, 0.0) + v
     with r.timer("update"):
         lr = r.scheduler.get_last_lr()[0]
-        grad_norm = rl.optimizer_step(r.model, r.optimizer, cfg.optim.max_grad_norm)
+        grad_norm = optimizer_step(r.model, r.optimizer, cfg.optim.max_grad_norm)
         r.scheduler.step()
-        r.engine.sync_weights()  # the engine shares the weights: its packed copies and cached KV are stale now
+        r.rollout.sync_weights(r)  # the engine shares the weights: its packed copies and cached KV are stale now
     n = norms["tokens"]
     row = {"loss": sums.pop("loss"), "lr": lr, "grad_norm": grad_norm, "distill/loss": sums.pop("kd") / n,
            "distill/teacher_logp": sums.pop("teacher_logp") / n, "distill/student_logp": sums.pop("student_logp") / n,
-           "teacher/tokens": run.teacher_tokens}
+           "teacher/tokens": run.teacher_tokens_before + run.teacher_tokens}
     return {**row, **rl_metrics.result()}
 
 
@@ -181,31 +187,22 @@ def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict, rl_metrics
 # ---------------------------------------------------------------- run
 
 
-def train(cfg) -> dict:
-    run = setup(cfg)
+def checkpoint_args(run: OnPolicyRun) -> CheckpointArgs:
     r = run.rl
-    bar = progress(cfg.max_steps, r.life.start, f"distill/on_policy/{cfg.resolved_divergence}", cfg.progress)
-    for step in range(r.life.start, cfg.max_steps):
-        try:
-            logged = distill_step(run, step)
-        except AlarmStop as stop:
-            if stop.checkpoint:
-                r.life.checkpoint(step + 1, r.model, r.optimizer, r.scheduler, rl.checkpoint_state(r), force=True)
-            raise
-        bar.update(1)
-        bar.set_postfix(kd=f"{logged['distill/loss']:.4f}")
-        r.life.checkpoint(step + 1, r.model, r.optimizer, r.scheduler, rl.checkpoint_state(r))
-    bar.close()
+    return CheckpointArgs(r.model, r.optimizer, r.scheduler,
+                          {**rl.checkpoint_state(r), "teacher_tokens": run.teacher_tokens_before + run.teacher_tokens})
+
+
+def train(cfg: DistillConfig) -> dict:
+    run = setup(cfg)
+    run_loop(run.rl.life, cfg, lambda step: distill_step(run, step), lambda: checkpoint_args(run),
+             desc=f"distill/on_policy/{cfg.resolved_divergence}", postfix=lambda row: {"kd": f"{row['distill/loss']:.4f}"})
     return finish(run)
 
 
 def finish(run: OnPolicyRun) -> dict:
-    from posttrain.recipes.distill import write_distill_measured
-
     cfg, r = run.cfg, run.rl
     life = r.life
-    if cfg.max_steps > life.start:
-        life.checkpoint(cfg.max_steps, r.model, r.optimizer, r.scheduler, rl.checkpoint_state(r), force=True)
     life.save_final(r.model, r.tok)
     teacher_seconds = sum(row.get("time/teacher", 0.0) for row in life.history())
     plan = write_distill_measured(life.out, r.measured, {"scored_tokens": run.teacher_tokens,
@@ -229,7 +226,6 @@ def plan_run(run: OnPolicyRun) -> dict:
     from posttrain.data.templates import render_prompt
     from posttrain.models.forward import unwrap
     from posttrain.plan import predict
-    from posttrain.recipes.distill import teacher_spec
 
     cfg, r = run.cfg, run.rl
     prompt_len = round(sum(len(render_prompt(r.tok, row.data["prompt"])) for row in r.rows) / len(r.rows))
@@ -237,7 +233,7 @@ def plan_run(run: OnPolicyRun) -> dict:
     pred = predict(student, "distill", mode="on_policy", teacher=teacher_spec(cfg.teacher, student),
                    batch=cfg.prompts_per_step, group=cfg.group_size, seq_len=cfg.sampling.max_new_tokens,
                    prompt_len=prompt_len, micro_batch=cfg.prompts_per_step * cfg.group_size, steps=max(cfg.max_steps, 1),
-                   dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", logit_copies=0)
+                   dtype=plan_dtype(cfg.dtype), logit_copies=0)
     teacher_phase = next(p for p in pred["phases"] if p["phase"] == "teacher")
     pred["teacher"] = {"scored_tokens_per_step": pred["generated_tokens_per_step"],
                        "flops_per_step": teacher_phase["flops_per_step"],

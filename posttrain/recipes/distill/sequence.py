@@ -12,11 +12,13 @@
 
 Only text passes from teacher to student (each re-tokenised by its own chat template), so teacher and
 student may use different tokenizers. With resume=true a finished teacher/kept.jsonl is reused (the
-teacher is not loaded again) and the SFT resumes from its checkpoints.
+teacher is not loaded again; its metrics are read back from teacher/metrics.json) and the SFT resumes
+from its checkpoints.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -27,23 +29,20 @@ from posttrain.errors import UserError
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes import rs
+from posttrain.recipes.distill.config import NO_REWARD, DistillConfig, sft_settings
+from posttrain.recipes.distill.teacher import teacher_spec, write_distill_measured
 from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.plan import plan_dtype
+from posttrain.training.settings import derive
 
 
-def rs_settings(cfg) -> rs.RSConfig:
-    """Rejection sampling's config with the teacher as the sampler and the student's SFT settings."""
-    from posttrain.recipes.distill import sft_settings
-
-    sft = sft_settings(cfg)
-    fields = {k: getattr(sft, k) for k in sft.model_fields if k not in (*rs.SET_BY_RS, "max_steps")}
-    if "max_steps" in cfg.model_fields_set:  # else rs sets it from `epochs`
-        fields["max_steps"] = cfg.max_steps
-    train = rs.RSTrainSettings(**fields)
-    return rs.RSConfig(model=cfg.teacher, data=cfg.data, output_dir=cfg.output_dir, seed=cfg.seed, resume=cfg.resume,
-                       device=cfg.device, dtype=cfg.teacher_dtype, reward=cfg.reward or "none",
-                       reward_args=cfg.reward_args, n=cfg.n, keep="best" if cfg.keep == "all" else cfg.keep,
-                       threshold=cfg.threshold, keep_truncated=cfg.keep_truncated, sampling=cfg.sampling,
-                       engine=cfg.engine, epochs=cfg.epochs, train=train, progress=False)
+def rs_settings(cfg: DistillConfig) -> rs.RSConfig:
+    """Rejection sampling's config with the teacher as the sampler and the student's SFT settings: every field
+    the configs share (training/settings.py), the teacher's name and dtype in the sampler's keys."""
+    update = {"max_steps": cfg.max_steps} if "max_steps" in cfg.model_fields_set else {}  # else rs sets it from `epochs`
+    train = derive(sft_settings(cfg), rs.RSTrainSettings, exclude=(*rs.SET_BY_RS, "max_steps"), **update)
+    return derive(cfg, rs.RSConfig, model=cfg.teacher, dtype=cfg.teacher_dtype, reward=cfg.reward or NO_REWARD,
+                  keep="best" if cfg.keep == "all" else cfg.keep, train=train, progress=False)
 
 
 def keep_finished(groups: list[list[rs.Sample]], keep_truncated: bool) -> tuple[list[list[rs.Sample]], dict]:
@@ -54,11 +53,15 @@ def keep_finished(groups: list[list[rs.Sample]], keep_truncated: bool) -> tuple[
                   "kept/prompt_frac": sum(bool(k) for k in kept) / max(len(groups), 1)}
 
 
-def teacher_data(cfg, run: rs.RSRun, prompt_tokens: list[int], timer: PhaseTimer, measured: Measured) -> tuple[Path, int, dict]:
-    """teacher/kept.jsonl (generated now, or reused on resume) -> (path, rows, metrics)."""
+def teacher_data(cfg: DistillConfig, run: rs.RSRun, prompt_tokens: list[int], timer: PhaseTimer,
+                 measured: Measured) -> tuple[Path, int, dict]:
+    """teacher/kept.jsonl (generated now, or reused on resume) -> (path, rows, metrics; on resume those
+    teacher/metrics.json kept, and teacher/reused)."""
     path = run.life.out / "teacher" / "kept.jsonl"
+    saved = path.parent / "metrics.json"
     if cfg.resume and path.is_file():
-        return path, sum(1 for line in path.read_text().splitlines() if line.strip()), {"teacher/reused": 1}
+        metrics = json.loads(saved.read_text()) if saved.is_file() else {}
+        return path, sum(1 for line in path.read_text().splitlines() if line.strip()), {**metrics, "teacher/reused": 1}
     with timer("generate"):  # 1.
         groups = rs.draw(run, cfg.teacher, seed=rs.round_seed(run.cfg, 1))
     generated = [len(s.token_ids) for g in groups for s in g]
@@ -74,19 +77,21 @@ def teacher_data(cfg, run: rs.RSRun, prompt_tokens: list[int], timer: PhaseTimer
     else:
         kept, select_metrics = rs.select(groups, run.cfg)
     n_rows = rs.write_kept(path, run.rows, kept, 1)  # 3.
-    return path, n_rows, {**metrics, **select_metrics}
+    metrics = {**metrics, **select_metrics}
+    saved.write_text(json.dumps(metrics))
+    return path, n_rows, metrics
 
 
-def train(cfg) -> dict:
+def train(cfg: DistillConfig) -> dict:
     from posttrain.data.templates import render_prompt
     from posttrain.models.loading import load_tokenizer
     from posttrain.recipes import sft as sft_recipe
-    from posttrain.recipes.distill import write_distill_measured
-    from posttrain.recipes.rl import build_reward
+    from posttrain.rewards.build import build_reward
 
     rs_cfg = rs_settings(cfg)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-    reward_fn = build_reward(rs_cfg, rows) if cfg.reward else None  # columns checked before any model loads
+    reward_fn = (build_reward(rs_cfg.reward, rs_cfg.reward_args, rows, rs_cfg.sampling.max_new_tokens)
+                 if cfg.reward else None)  # columns checked before any model loads
     teacher_tok = load_tokenizer(cfg.teacher)
     life = RunLifecycle(cfg)
     run = rs.RSRun(rs_cfg, life, teacher_tok, rows, reward_fn, MetricsWriter(life.out / "metrics.jsonl"))
@@ -114,16 +119,15 @@ def train(cfg) -> dict:
     return summary
 
 
-def plan_run(cfg, n_prompts: int, prompt_tokens: list[int]) -> dict:
+def plan_run(cfg: DistillConfig, n_prompts: int, prompt_tokens: list[int]) -> dict:
     """The teacher's generation over every prompt × n (as one step; tokens assume max_new_tokens each) and
     the student's SFT on what it writes (its own plan.json in sft/)."""
     from posttrain.plan import predict
-    from posttrain.recipes.distill import teacher_spec
 
     try:
         return predict(cfg.model, "distill", mode="sequence", teacher=teacher_spec(cfg.teacher, cfg.model),
                        batch=n_prompts * cfg.n, seq_len=cfg.sampling.max_new_tokens,
                        prompt_len=round(statistics.fmean(prompt_tokens)), steps=1,
-                       dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16", logit_copies=0)
+                       dtype=plan_dtype(cfg.dtype), logit_copies=0)
     except UserError as e:  # e.g. a student given as an adapter folder: the planner needs a config
         return {"error": f"no prediction: {e}"}

@@ -1,4 +1,4 @@
-"""The RL algorithm presets: the one place that says what `algo=grpo` means (SPEC §3).
+"""The RL algorithm presets: the one place that says what `algo=grpo` means .
 
 A preset picks a cell of the method table: advantage estimator, policy loss, loss aggregation,
 default KL coefficient β and whether dynamic sampling is on. Recipes, the planner and the docs read
@@ -18,9 +18,9 @@ from posttrain.algos.kl import BETA_PRESETS
 
 @dataclass(frozen=True)
 class AlgoPreset:
-    advantage: str  # registry name in posttrain.algos.advantages
-    loss: str  # registry name in posttrain.algos.policy_losses
-    agg: str  # aggregation mode (posttrain.algos.aggregate)
+    advantage: str | None  # registry name in posttrain.algos.advantages (None: not a policy-gradient method)
+    loss: str | None  # registry name in posttrain.algos.policy_losses
+    agg: str | None  # aggregation mode (posttrain.algos.aggregate)
     beta: float  # default KL coefficient (KL in the loss)
     dynamic_sampling: bool  # drop groups whose rewards are all equal and refill (DAPO)
     paper: str
@@ -33,8 +33,9 @@ RL_PRESETS: dict[str, AlgoPreset] = {
     # 2 epochs x 2 minibatches: on SmolLM2 addition 0.157 -> 0.944 pass@1 in 40 steps (1 x 1: 0.727)
     "ppo": AlgoPreset("gae", "ppo", "token_mean", BETA_PRESETS["instructgpt"], False,
                       "Schulman et al. 2017; Ouyang et al. 2022, InstructGPT", epochs=2, minibatches=2),
-    # online DPO: best vs worst of each group under the reward, a preference loss (pref_loss=dpo|ipo|…)
-    "online_dpo": AlgoPreset("grpo", "ppo", "token_mean", 0.0, False,
+    # online DPO: best vs worst of each group under the reward, a preference loss (pref_loss=dpo|ipo|…);
+    # no advantage, policy loss or token aggregation (its own step: recipes/rl/online_dpo.py)
+    "online_dpo": AlgoPreset(None, None, None, 0.0, False,
                              "Guo et al. 2024, Direct Language Model Alignment from Online AI Feedback"),
     "grpo": AlgoPreset("grpo", "ppo", "seq_mean_token_mean", BETA_PRESETS["deepseekmath"], False,
                        "Shao et al. 2024, DeepSeekMath"),

@@ -2,12 +2,12 @@
 REINFORCE++), and online DPO. `posttrain.recipes.rl.train(cfg)` runs what `posttrain rl` runs.
 
 Modules, lowest first (each imports only those above it in this list):
-    config      RLConfig and the async/Ray settings (SystemsSettings)
+    config      RLConfig and the async/Ray settings (SystemsSettings); every preset-derived default
     phases      the pieces of a step: generate, score, refill, advantages, log-probs, the loss
-    run         RLRun (the typed state of a run) and UpdateStats
-    rollout     the Rollout protocol and the synchronous source; sharded, agentic, async_rl, ray_cluster:
-                the other sources (torchrun ranks, multi-turn episodes, a producer thread or Ray actors)
     ppo         Critic: PPO's value model, GAE, value loss, its checkpoints
+    run         RLRun (the typed state of a run), the Rollout protocol, UpdateStats
+    rollout     the synchronous sources; sharded, agentic, async_rl, ray_cluster: the other sources
+                (torchrun ranks, multi-turn episodes, a producer thread or Ray actors)
     log         the metrics row of a step, alarms, samples
     step        rl_step: collect -> advantage -> reference -> [critic] -> update -> log
     online_dpo  online DPO's own step
@@ -15,11 +15,11 @@ Modules, lowest first (each imports only those above it in this list):
     loop        train / run_steps / finish / main
 """
 
+from posttrain.recipes.rl.build import setup
 from posttrain.recipes.rl.config import RLConfig, SystemsSettings
 from posttrain.recipes.rl.log import log_step, merge_metrics
 from posttrain.recipes.rl.loop import checkpoint_state, finish, main, run_steps, train
 from posttrain.recipes.rl.run import RLRun, UpdateStats
-from posttrain.recipes.rl.build import setup
 from posttrain.recipes.rl.step import rl_step, update
 
 __all__ = ["RLConfig", "RLRun", "SystemsSettings", "UpdateStats", "checkpoint_state", "finish", "log_step", "main",

@@ -9,11 +9,12 @@ import copy
 
 import torch
 
-from posttrain.algos import AdaptiveKLController, FixedKLController
+from posttrain.agentic.episodes import AgentRun, setup_agent
+from posttrain.algos import AdaptiveKLController, FixedKLController, policy_losses
 from posttrain.algos import advantages as adv_registry
-from posttrain.algos import policy_losses
 from posttrain.algos.presets import rl_preset, uses_critic
 from posttrain.data import formats
+from posttrain.errors import UserError
 from posttrain.eval.hook import EvalHook
 from posttrain.models.device import resolve_device
 from posttrain.models.forward import unwrap
@@ -23,17 +24,16 @@ from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes.rl import agentic, async_rl, ray_cluster
+from posttrain.recipes.rl import step as policy_gradient
 from posttrain.recipes.rl.config import RLConfig
 from posttrain.recipes.rl.online_dpo import online_dpo_step
 from posttrain.recipes.rl.ppo import Critic
-from posttrain.recipes.rl.rollout import Rollout, SyncRollout
-from posttrain.recipes.rl.run import RLRun
+from posttrain.recipes.rl.rollout import SyncRollout
+from posttrain.recipes.rl.run import RLRun, Rollout
 from posttrain.recipes.rl.sharded import ShardedRollout
-from posttrain.recipes.rl import step as policy_gradient
 from posttrain.rewards.build import build_reward
 from posttrain.rollout.engine import Engine
 from posttrain.systems import fsdp
-from posttrain.errors import UserError
 from posttrain.systems.dist import DistInfo, init_from_env, rank_device
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
@@ -48,14 +48,13 @@ def step_function(cfg: RLConfig):
 
 def setup(cfg: RLConfig) -> RLRun:
     """Everything before the first step: data and reward checked before any model loads."""
-    preset = rl_preset(cfg.algo)
     info = init_ranks(cfg)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     device = rank_device(resolve_device(cfg.device), info)
     tok = load_tokenizer(cfg.model)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
-    agent = agentic.setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
+    agent = setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
     reward_fn = None if agent is not None else reward_of(cfg, rows)
     eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
@@ -69,11 +68,11 @@ def setup(cfg: RLConfig) -> RLRun:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     beta = cfg.resolved_beta
     kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
-    critic = Critic.build(cfg, policy_copy if policy_copy is not None else model, device, info) if uses_critic(preset) else None
+    critic = Critic.build(cfg, policy_copy if policy_copy is not None else model, device, info) if uses_critic(rl_preset(cfg.algo)) else None
     run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler, EpochSampler(len(rows), cfg.seed),
-                kl_ctl, None if critic is not None else adv_registry.get(cfg.advantage or preset.advantage),
-                policy_losses.get(cfg.loss or preset.loss), cfg.loss_agg or preset.agg,
-                preset.dynamic_sampling if cfg.dynamic_sampling is None else cfg.dynamic_sampling, default_tis_cap(cfg),
+                kl_ctl, advantage_fn(cfg, critic), None if cfg.algo == "online_dpo" else policy_losses.get(cfg.resolved_loss),
+                cfg.resolved_agg,
+                cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
                 device, info=info, critic=critic, measured=Measured(), eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
     state = life.restore(model, optimizer, scheduler, extras=critic.extras() if critic is not None else None)
@@ -93,7 +92,14 @@ def setup(cfg: RLConfig) -> RLRun:
     return run
 
 
-def make_rollout(run: RLRun, agent: agentic.AgentRun | None, inner, policy_copy, state: dict) -> Rollout:
+def advantage_fn(cfg: RLConfig, critic: Critic | None):
+    """Outcome advantages from the registry; none for PPO (GAE from the critic) and online DPO (pairs)."""
+    if critic is not None or cfg.algo == "online_dpo":
+        return None
+    return adv_registry.get(cfg.resolved_advantage)
+
+
+def make_rollout(run: RLRun, agent: AgentRun | None, inner, policy_copy, state: dict) -> Rollout:
     """The run's one rollout source: the producer pipeline (async RL, or any Ray run), multi-turn episodes,
     ranks sharing generation under torchrun, or plain synchronous generation."""
     systems = run.cfg.systems
@@ -137,13 +143,6 @@ def init_ranks(cfg: RLConfig) -> DistInfo:
 
 def reward_of(cfg: RLConfig, rows: list[formats.Row]):
     return build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)
-
-
-def default_tis_cap(cfg: RLConfig) -> float | None:
-    """TIS (Yao et al. 2025) is on whenever the trainer computes in another precision than the sampler."""
-    if cfg.tis_cap is not None:
-        return cfg.tis_cap or None
-    return 2.0 if cfg.mixed_precision != "none" else None
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

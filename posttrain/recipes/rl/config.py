@@ -14,9 +14,9 @@ from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
 from posttrain.config import CommonConfig, Config
 from posttrain.eval.hook import EvalSettings
 from posttrain.monitor.alarms import AlarmSettings
-from posttrain.training.optim import OptimSettings
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
+from posttrain.training.optim import OptimSettings
 
 
 class SystemsSettings(Config):
@@ -114,19 +114,22 @@ class RLConfig(CommonConfig):
     @model_validator(mode="after")
     def _check_algorithm(self):
         preset = rl_preset(self.algo)
-        loss = self.loss or preset.loss
-        accepted = _keyword_args(policy_losses.get(loss))
-        unknown = sorted(set(self.loss_args) - accepted)
-        if unknown:
-            raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{loss}' (it takes {sorted(accepted)})")
-        adv_registry.get(self.advantage or preset.advantage)
         if self.algo == "online_dpo":
+            given = [k for k in ("advantage", "loss_agg", "loss_args") if getattr(self, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)}: not used by algo=online_dpo (it takes pref_loss and pref_args)")
             accepted = _keyword_args(preference_losses.get(self.pref_loss)) - {
                 "policy_chosen_logps", "policy_rejected_logps", "ref_chosen_logps", "ref_rejected_logps",
                 "chosen_lengths", "rejected_lengths"}
             unknown = sorted(set(self.pref_args) - accepted)
             if unknown:
                 raise ValueError(f"pref_args {unknown} are not arguments of preference loss '{self.pref_loss}' (it takes {sorted(accepted)})")
+        else:
+            accepted = _keyword_args(policy_losses.get(self.resolved_loss))
+            unknown = sorted(set(self.loss_args) - accepted)
+            if unknown:
+                raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{self.resolved_loss}' (it takes {sorted(accepted)})")
+            adv_registry.get(self.resolved_advantage)
         if self.kl_estimator == "k1" and self.resolved_beta > 0 and not uses_critic(preset):
             raise ValueError("kl_estimator=k1 in the loss has zero expected gradient on-policy (E_π[∇ log π] = 0): "
                              "use k3 (GRPO) or k2, or beta=0")
@@ -152,7 +155,33 @@ class RLConfig(CommonConfig):
 
     @property
     def resolved_beta(self) -> float:
+        """β: the config's, else the algorithm's preset (the one place β is derived from the config)."""
         return rl_preset(self.algo).beta if self.beta is None else self.beta
+
+    @property
+    def resolved_advantage(self) -> str | None:
+        return self.advantage or rl_preset(self.algo).advantage
+
+    @property
+    def resolved_loss(self) -> str:
+        """The policy loss's registry name; online DPO: the preference loss's."""
+        return self.pref_loss if self.algo == "online_dpo" else self.loss or rl_preset(self.algo).loss
+
+    @property
+    def resolved_agg(self) -> str | None:
+        return self.loss_agg or rl_preset(self.algo).agg
+
+    @property
+    def resolved_dynamic_sampling(self) -> bool:
+        return rl_preset(self.algo).dynamic_sampling if self.dynamic_sampling is None else self.dynamic_sampling
+
+    @property
+    def resolved_tis_cap(self) -> float | None:
+        """TIS (Yao et al. 2025) is on whenever the trainer computes in another precision than the sampler
+        (the producer pipeline raises an unset cap to async_rl.ASYNC_TIS_CAP)."""
+        if self.tis_cap is not None:
+            return self.tis_cap or None
+        return 2.0 if self.mixed_precision != "none" else None
 
 
 def _keyword_args(fn) -> set[str]:

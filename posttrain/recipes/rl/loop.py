@@ -8,14 +8,13 @@ import math
 import os
 import sys
 
-from posttrain.algos.presets import rl_preset
 from posttrain.config import parse_args
 from posttrain.monitor.alarms import AlarmStop
 from posttrain.plan.measure import write_measured
 from posttrain.recipes.rl import ray_cluster
+from posttrain.recipes.rl.build import setup, step_function
 from posttrain.recipes.rl.config import RLConfig
 from posttrain.recipes.rl.run import RLRun
-from posttrain.recipes.rl.build import setup, step_function
 from posttrain.systems.faults import maybe_fail
 from posttrain.training.run import progress
 
@@ -79,10 +78,9 @@ def finish(run: RLRun) -> dict:
         return {}
     plan = json.loads(write_measured(life.out, run.measured).read_text())
     history = life.history()
-    preset = rl_preset(cfg.algo)
     rewards = [r["reward/mean"] for r in history if r.get("reward/mean") is not None]
     summary = {
-        "algo": cfg.algo, "advantage": cfg.advantage or preset.advantage, "loss": cfg.loss or preset.loss,
+        "algo": cfg.algo, "advantage": cfg.resolved_advantage, "loss": cfg.resolved_loss,
         "loss_agg": run.agg, "beta": cfg.resolved_beta, "steps": cfg.max_steps,
         "first_reward": rewards[0] if rewards else math.nan, "last_reward": rewards[-1] if rewards else math.nan,
         "skipped_steps": sum(r.get("skipped", 0) for r in history),

@@ -21,8 +21,8 @@ import torch
 
 from posttrain.algos import preference_losses
 from posttrain.recipes.rl import phases as ph
-from posttrain.recipes.rl.run import RLRun
 from posttrain.recipes.rl.log import log_step
+from posttrain.recipes.rl.run import RLRun
 from posttrain.rollout.trajectory import RLBatch, Trajectory, make_batches
 from posttrain.training.optim import optimizer_step
 

@@ -25,7 +25,6 @@ from posttrain.ops.sampling import trainer_logprobs
 from posttrain.rollout.trajectory import RLBatch, Trajectory
 from posttrain.rollout.types import Request
 
-
 # ---------------------------------------------------------------- collect
 
 

@@ -1,6 +1,6 @@
-"""Where an RL step's trajectories come from: the `Rollout` protocol and the synchronous source.
+"""Where an RL step's trajectories come from: the synchronous sources of the `Rollout` protocol (run.py).
 
-Setup chooses one source per run (setup.py: `make_rollout`); the step only calls the protocol:
+Setup chooses one source per run (build.py: `make_rollout`); the step only calls the protocol:
 
     collect(run, step) -> (trajectories, metrics)   B groups of G scored samples for this step
     sync_weights(run)                                after an update: the sampler picks up the new policy
@@ -21,31 +21,11 @@ and choose it in `make_rollout`.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from posttrain.data.formats import Row
 from posttrain.data.templates import render_prompt
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.run import RLRun
 from posttrain.rollout.trajectory import Trajectory
-
-
-class Rollout(Protocol):
-    def collect(self, run: RLRun, step: int) -> tuple[list[Trajectory], dict]: ...
-
-    def sync_weights(self, run: RLRun) -> None: ...
-
-    def plan_inputs(self, run: RLRun) -> dict: ...
-
-    def state(self) -> dict: ...
-
-    def load_state(self, checkpoint: dict, start: int) -> None:
-        """Resume from a checkpoint's state (the whole dict: `rollout` holds what `state()` returned; a
-        checkpoint of another kind of source still has the data position `sampler`) before step `start`."""
-
-    def summary(self) -> dict: ...
-
-    def close(self) -> None: ...
 
 
 class GroupRollout:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -24,14 +24,38 @@ from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.measure import Measured
 from posttrain.recipes.rl.config import RLConfig
 from posttrain.recipes.rl.phases import TokenMeans
+from posttrain.recipes.rl.ppo import Critic
 from posttrain.rewards.registry import ComposedReward
+from posttrain.rollout.trajectory import Trajectory
 from posttrain.systems.dist import DistInfo
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
 
-if TYPE_CHECKING:  # annotations only: the modules below import this one
-    from posttrain.recipes.rl.ppo import Critic
-    from posttrain.recipes.rl.rollout import Rollout
+
+class Rollout(Protocol):
+    """Where a step's trajectories come from (implementations and how to add one: rollout.py)."""
+
+    def collect(self, run: RLRun, step: int) -> tuple[list[Trajectory], dict]:
+        """B groups of G scored samples for step `step` -> (trajectories, metrics)."""
+
+    def sync_weights(self, run: RLRun) -> None:
+        """After an update: the sampler picks up the policy's new weights."""
+
+    def plan_inputs(self, run: RLRun) -> dict:
+        """The token shape of a step, for the planner (seq_len, prompt_len, or an agent's turns)."""
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of the source ({}: nothing beyond the run's data position)."""
+
+    def load_state(self, checkpoint: dict, start: int) -> None:
+        """Resume from a checkpoint's state (the whole dict: `rollout` holds what `state()` returned; a
+        checkpoint of another kind of source still has the data position `sampler`) before step `start`."""
+
+    def summary(self) -> dict:
+        """Totals for summary.json."""
+
+    def close(self) -> None:
+        """Stop background work (threads, actors)."""
 
 
 @dataclass(eq=False)
@@ -51,8 +75,8 @@ class RLRun:
     sampler: EpochSampler  # the data order (its position is checkpointed)
     kl_ctl: FixedKLController | AdaptiveKLController
     adv_fn: Callable | None  # outcome advantages (registry posttrain.algos.advantages); None for PPO (GAE)
-    loss_fn: Callable  # policy loss (registry posttrain.algos.policy_losses)
-    agg: str  # loss aggregation (posttrain.algos.aggregate)
+    loss_fn: Callable | None  # policy loss (registry posttrain.algos.policy_losses); None for online DPO
+    agg: str | None  # loss aggregation (posttrain.algos.aggregate); None for online DPO
     dynamic: bool  # dynamic sampling (DAPO): groups without signal are dropped and refilled
     tis_cap: float | None  # truncated importance sampling cap on π_old/μ (None: off)
     device: torch.device

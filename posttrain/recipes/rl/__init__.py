@@ -18,9 +18,9 @@ Modules, lowest first (each imports only those above it in this list):
 from posttrain.recipes.rl.build import setup
 from posttrain.recipes.rl.config import RLConfig, SystemsSettings
 from posttrain.recipes.rl.log import log_step, merge_metrics
-from posttrain.recipes.rl.loop import checkpoint_state, finish, main, run_steps, train
+from posttrain.recipes.rl.loop import checkpoint_args, checkpoint_state, finish, main, run_steps, train
 from posttrain.recipes.rl.run import RLRun, UpdateStats
 from posttrain.recipes.rl.step import rl_step, update
 
-__all__ = ["RLConfig", "RLRun", "SystemsSettings", "UpdateStats", "checkpoint_state", "finish", "log_step", "main",
+__all__ = ["RLConfig", "RLRun", "SystemsSettings", "UpdateStats", "checkpoint_args", "checkpoint_state", "finish", "log_step", "main",
            "merge_metrics", "rl_step", "run_steps", "setup", "train", "update"]

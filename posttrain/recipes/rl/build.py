@@ -14,7 +14,6 @@ from posttrain.algos import AdaptiveKLController, FixedKLController, policy_loss
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos.presets import rl_preset, uses_critic
 from posttrain.data import formats
-from posttrain.errors import UserError
 from posttrain.eval.hook import EvalHook
 from posttrain.models.device import resolve_device
 from posttrain.models.forward import unwrap
@@ -34,11 +33,11 @@ from posttrain.recipes.rl.sharded import ShardedRollout
 from posttrain.rewards.build import build_reward
 from posttrain.rollout.engine import Engine
 from posttrain.systems import fsdp
-from posttrain.systems.dist import DistInfo, init_from_env, rank_device
+from posttrain.systems.dist import rank_device
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.optim import build_optimizer
-from posttrain.training.run import seed_everything
+from posttrain.training.run import init_ranks, seed_everything
 
 
 def step_function(cfg: RLConfig):
@@ -48,7 +47,7 @@ def step_function(cfg: RLConfig):
 
 def setup(cfg: RLConfig) -> RLRun:
     """Everything before the first step: data and reward checked before any model loads."""
-    info = init_ranks(cfg)
+    info = init_ranks(refusals_under_torchrun(cfg), hint="PPO and the GRPO family are")
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     device = rank_device(resolve_device(cfg.device), info)
@@ -128,17 +127,10 @@ def make_engine(cfg: RLConfig, model: torch.nn.Module, tok):
     return Engine(model, tok, engine_cfg)
 
 
-def init_ranks(cfg: RLConfig) -> DistInfo:
-    """torchrun's ranks (world size 1 without it); refuses what a sharded run cannot do yet."""
-    info = init_from_env()
-    if info.world > 1:
-        unsupported = ((cfg.algo == "online_dpo", "algo=online_dpo"),
-                       (bool(cfg.env), "env= (multi-turn episodes)"), (cfg.systems.pipelined, "async_rl / cluster=ray"))
-        for on, what in unsupported:
-            if on:
-                raise UserError(f"{what}: not supported under torchrun yet (world size {info.world}); "
-                                "PPO and the GRPO family are")
-    return info
+def refusals_under_torchrun(cfg: RLConfig) -> list[tuple[bool, str]]:
+    """What a sharded run cannot do yet."""
+    return [(cfg.algo == "online_dpo", "algo=online_dpo"), (bool(cfg.env), "env= (multi-turn episodes)"),
+            (cfg.systems.pipelined, "async_rl / cluster=ray")]
 
 
 def reward_of(cfg: RLConfig, rows: list[formats.Row]):

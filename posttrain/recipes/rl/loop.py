@@ -15,8 +15,7 @@ from posttrain.recipes.rl import ray_cluster
 from posttrain.recipes.rl.build import setup, step_function
 from posttrain.recipes.rl.config import RLConfig
 from posttrain.recipes.rl.run import RLRun
-from posttrain.systems.faults import maybe_fail
-from posttrain.training.run import progress
+from posttrain.training.loop import CheckpointArgs, run_loop, save
 
 
 def train(cfg: RLConfig) -> dict:
@@ -24,34 +23,22 @@ def train(cfg: RLConfig) -> dict:
 
 
 def run_steps(run: RLRun, on_step=None) -> dict:
-    """Steps life.start .. max_steps (checkpoints, alarm stops, the rollout source closed), then `finish`.
-    `on_step(steps_done, row)` runs after each step (the quickstart prints its progress line there)."""
-    cfg = run.cfg
-    step_fn = step_function(cfg)
-    bar = progress(cfg.max_steps, run.life.start, f"rl/{cfg.algo}", cfg.progress and run.life.main)
-    try:
-        for step in range(run.life.start, cfg.max_steps):
-            try:
-                logged = step_fn(run, step)
-            except AlarmStop as stop:
-                if stop.checkpoint:  # the step's update is done: keep it
-                    checkpoint(run, step + 1, force=True)
-                raise
-            bar.update(1)
-            bar.set_postfix(reward=f"{logged['reward/mean']:.3f}" if logged["reward/mean"] is not None else "nan")
-            checkpoint(run, step + 1)
-            maybe_fail(run.info.rank, step + 1, run.life.out)
-            if on_step is not None:
-                on_step(step + 1, logged)
-    finally:
-        run.rollout.close()  # stops a producer thread or Ray actors
-    bar.close()
-    return finish(run)
+    """Steps life.start .. max_steps through the shared loop (checkpoints, alarm stops, fault injection; the
+    rollout source closed at the end), then `finish`. `on_step(steps_done, row)` runs after each step (the
+    quickstart prints its progress line there)."""
+    step_fn = step_function(run.cfg)
+    run_loop(run.life, run.cfg, lambda step: step_fn(run, step), lambda: checkpoint_args(run), desc=f"rl/{run.cfg.algo}",
+             postfix=reward_postfix, on_step=on_step, on_exit=run.rollout.close)
+    return finish(run, final_checkpoint=False)
 
 
-def checkpoint(run: RLRun, done: int, force: bool = False) -> None:
-    run.life.checkpoint(done, run.model, run.optimizer, run.scheduler, checkpoint_state(run), force=force,
-                        extras=run.critic.extras() if run.critic is not None else None)
+def reward_postfix(row: dict) -> dict:
+    return {"reward": f"{row['reward/mean']:.3f}" if row["reward/mean"] is not None else "nan"}
+
+
+def checkpoint_args(run: RLRun) -> CheckpointArgs:
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run),
+                          extras=run.critic.extras() if run.critic is not None else None)
 
 
 def checkpoint_state(run: RLRun) -> dict:
@@ -66,11 +53,13 @@ def checkpoint_state(run: RLRun) -> dict:
     return state
 
 
-def finish(run: RLRun) -> dict:
+def finish(run: RLRun, final_checkpoint: bool = True) -> dict:
+    """The final model (and PPO's final/value/), measured vs planned, summary.json and the report. A caller
+    that stepped the run itself gets the final checkpoint here (run_steps' loop has saved it already)."""
     cfg, life = run.cfg, run.life
     run.rollout.close()
-    if cfg.max_steps > life.start:  # the final checkpoint keeps resume possible (e.g. to extend max_steps)
-        checkpoint(run, cfg.max_steps, force=True)
+    if final_checkpoint and cfg.max_steps > life.start:  # keeps resume possible (e.g. to extend max_steps)
+        save(life, cfg.max_steps, checkpoint_args(run), force=True)
     final = life.save_final(run.model, run.tok)
     if run.critic is not None:
         run.critic.save(final / "value", life.main)

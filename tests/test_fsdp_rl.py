@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from posttrain.rewards.registry import compose, register
+from posttrain.rewards.base import register
+from posttrain.rewards.registry import compose
 from posttrain.systems.dist import DistInfo
 from posttrain.recipes.rl.sharded import merge_reward_metrics, my_batches
 

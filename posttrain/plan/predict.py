@@ -102,16 +102,7 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     method = methods.get(cfg.method)
     opt = methods.options(method, beta=cfg.beta, reward=cfg.reward, precompute_ref=cfg.precompute_ref,
                           value_model=cfg.value_model, distill=cfg.distill)
-    policy = resolve_model(objects.get("model", cfg.model), "model")
-    sizes = {
-        "model": policy,
-        "reward_model": resolve_model(objects.get("reward_model", cfg.reward_model), "reward_model")
-        if (cfg.reward_model is not None or "reward_model" in objects) else policy,
-        "teacher": resolve_model(objects.get("teacher", cfg.teacher), "teacher")
-        if (cfg.teacher is not None or "teacher" in objects) else policy,
-    }
-    if method.name != "distill" and (cfg.teacher is not None or "teacher" in objects):
-        raise UserError(f"teacher: only method=distill has a teacher (method is {method.name})")
+    policy, sizes = _sizes(cfg, method, objects)
 
     # ---- precision
     infer_bytes = cfg.infer_bytes_per_param or cost.dtype_bytes(cfg.dtype)
@@ -119,23 +110,7 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     kv_value_bytes = cost.dtype_bytes(cfg.kv_dtype or cfg.dtype, "kv_dtype")
 
     # ---- shape of a step
-    if cfg.group is not None and not method.generates:
-        raise UserError(f"group: method {method.name} does not sample (group applies to rs, ppo, grpo, rlvr, agent, distill)")
-    if method.name == "distill" and opt.distill != "on_policy" and cfg.group is not None:
-        raise UserError(f"group: distill={opt.distill} does not sample from the student")
-    if method.name != "agent" and (cfg.turns != 1 or cfg.return_len != 0):
-        raise UserError(f"turns: only method=agent has turns and return_len (method is {method.name})")
-    group = cfg.group or (8 if method.name in ("grpo", "rlvr", "agent", "rs") else 1)
-    agent = None
-    if method.name == "agent":
-        agent = cost.agent_trajectory(cfg.turns, cfg.seq_len, cfg.return_len, cfg.prompt_len)
-        tokens_per_seq, generated_per_seq = agent["context_tokens"], agent["generated_tokens"]
-    elif method.generates and not (method.name == "distill" and opt.distill == "logit"):
-        tokens_per_seq, generated_per_seq = cfg.prompt_len + cfg.seq_len, cfg.seq_len
-    else:  # training on given sequences: nothing generated during the step
-        if cfg.prompt_len:
-            raise UserError(f"prompt_len: method {method.name} trains on given sequences; put the whole length in seq_len")
-        tokens_per_seq, generated_per_seq = cfg.seq_len, 0
+    group, agent, tokens_per_seq, generated_per_seq = _step_shape(cfg, method, opt)
     sequences = cfg.batch * group * (2 if method.pairwise else 1)  # DPO/RM: chosen + rejected
     tokens_per_step = sequences * tokens_per_seq
     generated_per_step = sequences * generated_per_seq
@@ -147,34 +122,12 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     lora = policy.arch.lora_params(cfg.lora_r, targets) if cfg.lora_r else 0
 
     # ---- models in memory
-    models = []
-    for role in methods.roles(method, opt):
-        spec = sizes[role.size]
-        entry = {"role": role.role, "name": spec.name, "params": spec.params, "trainable": 0, "bytes": 0.0}
-        if role.trainable:
-            adapter = lora if role.size == "model" else 0
-            entry["params"] = spec.params + adapter
-            entry["trainable"] = adapter or spec.params
-            entry["bytes"] = cost.model_bytes(entry["params"], entry["trainable"], cfg.train_bytes_per_param, infer_bytes)
-        elif role.role == "reference" and lora:
-            entry["shared_with"] = "policy"  # the base with the adapter disabled: no extra memory
-        else:
-            entry["bytes"] = cost.model_bytes(spec.params, 0, infer_bytes=infer_bytes)
-        models.append(entry)
+    models = _models_in_memory(cfg, method, opt, sizes, lora, infer_bytes)
     by_role = {m["role"]: m for m in models}
     memory_total = sum(m["bytes"] for m in models)
 
     # ---- FLOPs: each phase = flops/param × params of its model × tokens it touches
-    phases = []
-    for ph in methods.phases(method, opt):
-        # The model in memory (a policy with its adapter) or, for a precomputed DPO reference, the base.
-        n = by_role[ph.role]["params"] if ph.role in by_role else policy.params
-        per_param = ph.flops_per_param
-        if ph.flops_per_param == 6 and ph.role in by_role and by_role[ph.role]["trainable"] < n:
-            per_param = cost.train_flops_per_param(by_role[ph.role]["trainable"] / n)  # LoRA
-        share = 1.0 / group if ph.share == "kept" else 1.0
-        phases.append({"phase": ph.name, "role": ph.role, "flops_per_token": per_param * n * share,
-                       "flops_per_step": per_param * n * share * tokens_per_step})
+    phases = _phases(method, opt, by_role, policy, group, tokens_per_step)
     flops_per_step = sum(p["flops_per_step"] for p in phases)
     flops_per_token = flops_per_step / tokens_per_step
 
@@ -231,17 +184,95 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         agent["flops_per_useful_token"] = flops_per_step / generated_per_step
         out["agent"] = agent
     if method.name == "distill":
-        vocab = sizes["teacher"].arch.vocab if sizes["teacher"].arch else None
-        out["distill"] = {"mode": opt.distill, "top_k": cfg.top_k, "vocab": vocab,
-                          "logit_bytes_per_token_full": cost.logit_bytes_per_token(vocab) if vocab else None,
-                          "logit_bytes_per_token_topk": cost.logit_bytes_per_token(vocab or 0, cfg.top_k),
-                          **_distill_cache(cfg, opt.distill, vocab, sizes["teacher"].params)}
+        out["distill"] = _distill(cfg, opt.distill, sizes["teacher"])
     if method.name == "rs":
         out["bon_kl_nats"] = cost.bon_kl(group)
     _add_hardware(out, cfg, flops_per_step, flops_per_token, memory_total)
     if cfg.eval_n:
         out["eval"] = {"n": cfg.eval_n, "p": cfg.eval_p, "ci95_half_width": cost.ci95_half_width(cfg.eval_p, cfg.eval_n)}
     return out
+
+
+def _sizes(cfg: PlanConfig, method: methods.Method, objects: dict) -> tuple[ModelSpec, dict[str, ModelSpec]]:
+    """The policy and the model behind each size a role may name (reward model and teacher default to the policy)."""
+    policy = resolve_model(objects.get("model", cfg.model), "model")
+    sizes = {
+        "model": policy,
+        "reward_model": resolve_model(objects.get("reward_model", cfg.reward_model), "reward_model")
+        if (cfg.reward_model is not None or "reward_model" in objects) else policy,
+        "teacher": resolve_model(objects.get("teacher", cfg.teacher), "teacher")
+        if (cfg.teacher is not None or "teacher" in objects) else policy,
+    }
+    if method.name != "distill" and (cfg.teacher is not None or "teacher" in objects):
+        raise UserError(f"teacher: only method=distill has a teacher (method is {method.name})")
+    return policy, sizes
+
+
+def _step_shape(cfg: PlanConfig, method: methods.Method, opt: methods.Options) -> tuple[int, dict | None, int, int]:
+    """(group, agent trajectory or None, tokens per sequence, generated tokens per sequence)."""
+    if cfg.group is not None and not method.generates:
+        raise UserError(f"group: method {method.name} does not sample (group applies to rs, ppo, grpo, rlvr, agent, distill)")
+    if method.name == "distill" and opt.distill != "on_policy" and cfg.group is not None:
+        raise UserError(f"group: distill={opt.distill} does not sample from the student")
+    if method.name != "agent" and (cfg.turns != 1 or cfg.return_len != 0):
+        raise UserError(f"turns: only method=agent has turns and return_len (method is {method.name})")
+    group = cfg.group or (8 if method.name in ("grpo", "rlvr", "agent", "rs") else 1)
+    agent = None
+    if method.name == "agent":
+        agent = cost.agent_trajectory(cfg.turns, cfg.seq_len, cfg.return_len, cfg.prompt_len)
+        tokens_per_seq, generated_per_seq = agent["context_tokens"], agent["generated_tokens"]
+    elif method.generates and not (method.name == "distill" and opt.distill == "logit"):
+        tokens_per_seq, generated_per_seq = cfg.prompt_len + cfg.seq_len, cfg.seq_len
+    else:  # training on given sequences: nothing generated during the step
+        if cfg.prompt_len:
+            raise UserError(f"prompt_len: method {method.name} trains on given sequences; put the whole length in seq_len")
+        tokens_per_seq, generated_per_seq = cfg.seq_len, 0
+    return group, agent, tokens_per_seq, generated_per_seq
+
+
+def _models_in_memory(cfg: PlanConfig, method: methods.Method, opt: methods.Options, sizes: dict[str, ModelSpec],
+                      lora: int, infer_bytes: float) -> list[dict]:
+    """One entry per model the method holds: its role, parameters, trainable parameters and bytes."""
+    models = []
+    for role in methods.roles(method, opt):
+        spec = sizes[role.size]
+        entry = {"role": role.role, "name": spec.name, "params": spec.params, "trainable": 0, "bytes": 0.0}
+        if role.trainable:
+            adapter = lora if role.size == "model" else 0
+            entry["params"] = spec.params + adapter
+            entry["trainable"] = adapter or spec.params
+            entry["bytes"] = cost.model_bytes(entry["params"], entry["trainable"], cfg.train_bytes_per_param, infer_bytes)
+        elif role.role == "reference" and lora:
+            entry["shared_with"] = "policy"  # the base with the adapter disabled: no extra memory
+        else:
+            entry["bytes"] = cost.model_bytes(spec.params, 0, infer_bytes=infer_bytes)
+        models.append(entry)
+    return models
+
+
+def _phases(method: methods.Method, opt: methods.Options, by_role: dict[str, dict], policy: ModelSpec, group: int,
+            tokens_per_step: int) -> list[dict]:
+    """FLOPs of each phase of a step: flops/param × params of its model × tokens it touches."""
+    phases = []
+    for ph in methods.phases(method, opt):
+        # The model in memory (a policy with its adapter) or, for a precomputed DPO reference, the base.
+        n = by_role[ph.role]["params"] if ph.role in by_role else policy.params
+        per_param = ph.flops_per_param
+        if ph.flops_per_param == 6 and ph.role in by_role and by_role[ph.role]["trainable"] < n:
+            per_param = cost.train_flops_per_param(by_role[ph.role]["trainable"] / n)  # LoRA
+        share = 1.0 / group if ph.share == "kept" else 1.0
+        phases.append({"phase": ph.name, "role": ph.role, "flops_per_token": per_param * n * share,
+                       "flops_per_step": per_param * n * share * tokens_per_step})
+    return phases
+
+
+def _distill(cfg: PlanConfig, mode: str, teacher: ModelSpec) -> dict:
+    """The distillation block: mode, logit bytes per token (full and top-k) and the teacher cache."""
+    vocab = teacher.arch.vocab if teacher.arch else None
+    return {"mode": mode, "top_k": cfg.top_k, "vocab": vocab,
+            "logit_bytes_per_token_full": cost.logit_bytes_per_token(vocab) if vocab else None,
+            "logit_bytes_per_token_topk": cost.logit_bytes_per_token(vocab or 0, cfg.top_k),
+            **_distill_cache(cfg, mode, vocab, teacher.params)}
 
 
 def _distill_cache(cfg: PlanConfig, mode: str, vocab: int | None, teacher_params: int) -> dict:

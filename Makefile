@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test test-dist test-slow bench clean-venv
+.PHONY: quickstart test lint test-dist test-slow bench clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# ruff with pyproject's rules: pyflakes, pycodestyle, bugbear, import order, unused noqa, complexity
+lint: $(STAMP)
+	$(BIN)/ruff check posttrain tests benchmarks scripts
 
 # distributed tests: FSDP2 with 2 gloo processes, a local Ray cluster (installs the [ray] extra)
 test-dist: $(STAMP)

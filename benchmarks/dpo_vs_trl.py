@@ -37,7 +37,7 @@ from pathlib import Path
 os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
 MODEL = "smollm2-135m-instruct"
 LR, BETA = 5e-7, 0.1

@@ -38,7 +38,7 @@ from pathlib import Path
 os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
@@ -115,8 +115,8 @@ def main() -> None:
 
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.recipes import rl
-    from posttrain.training.data_order import EpochSampler
     from posttrain.rewards.registry import compose
+    from posttrain.training.data_order import EpochSampler
 
     task, equal = trl_settings(args)
     changed = default_changes(equal) if args.trl_defaults else {}

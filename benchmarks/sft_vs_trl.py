@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
 MODEL = "smollm2-135m-instruct"
 

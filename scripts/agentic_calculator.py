@@ -65,7 +65,7 @@ def main() -> None:
     write_rows(out / "demos.jsonl", [d for d in demos if not any(f"{x} * {y}" in d["messages"][-1]["content"] for x, y in held)])
     eval_data, rl_data = write_rows(out / "eval.jsonl", eval_rows), write_rows(out / "rl.jsonl", rl_rows)
     agent = ["agent.tool_format=tag", "agent.max_turns=3", "max_new_tokens=40"]
-    ev = lambda model, name: cli("eval", "env=calculator", f"model={model}", f"data={eval_data}", f"n={a.n}",  # noqa: E731
+    ev = lambda model, name: cli("eval", "env=calculator", f"model={model}", f"data={eval_data}", f"n={a.n}",
                                  *agent, f"output_dir={out / name}", "seed=0")
     ev(a.model, "eval_base")
     cli("sft", f"model={a.model}", f"data={out / 'demos.jsonl'}", f"max_steps={a.sft_steps}", "batch_size=8",

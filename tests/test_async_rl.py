@@ -136,9 +136,9 @@ def _producer(tmp_path, tiny_tok, resume=None, k=1, partial="finish"):
     from posttrain.data import formats
     from posttrain.models.loading import load_model
     from posttrain.recipes.rl import RLConfig
-    from posttrain.rollout.engine import Engine, EngineConfig
     from posttrain.recipes.rl.async_rl import local_scorer
     from posttrain.rewards.registry import compose
+    from posttrain.rollout.engine import Engine, EngineConfig
 
     data = write_jsonl(tmp_path / "p.jsonl", COUNT_PROMPTS)
     cfg = parse_args(RLConfig, ["model=tiny-random", f"data={data}", "prompts_per_step=3", "group_size=2",

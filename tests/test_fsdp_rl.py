@@ -4,10 +4,10 @@ import math
 
 import pytest
 
+from posttrain.recipes.rl.sharded import merge_reward_metrics, my_batches
 from posttrain.rewards.base import register
 from posttrain.rewards.registry import compose
 from posttrain.systems.dist import DistInfo
-from posttrain.recipes.rl.sharded import merge_reward_metrics, my_batches
 
 
 @register("half_none", description="test reward: the length of the completion, None for odd lengths")

@@ -10,8 +10,6 @@ from posttrain.judge import prompts as judge_prompts
 from posttrain.judge.client import Judge, JudgeSettings, parse_pairwise, parse_score, question_text
 
 
-
-
 def judge(fake, **kw):
     return Judge(JudgeSettings(base_url=fake.base_url, **kw))
 

@@ -46,8 +46,8 @@ def teacher_dir(tmp_path_factory):
 
 def case(name: str, tmp_path: Path, teacher: str) -> tuple[list[str], list[str], list[str]]:
     """(argv without output_dir, metrics files to compare, weight files to compare), relative to the run."""
-    prefs = lambda: write_jsonl(tmp_path / "pairs.jsonl", rule_pairs(24))  # noqa: E731
-    prompts = lambda: write_jsonl(tmp_path / "prompts.jsonl", COUNT_PROMPTS[:4])  # noqa: E731
+    prefs = lambda: write_jsonl(tmp_path / "pairs.jsonl", rule_pairs(24))
+    prompts = lambda: write_jsonl(tmp_path / "prompts.jsonl", COUNT_PROMPTS[:4])
     tiny = ["model=tiny-random", "progress=false"]
     (tmp_path / "reward.py").write_text(REWARD)  # a file reward: the killed run, another process, loads it by path
     reward = f"reward={tmp_path / 'reward.py'}:space_share"

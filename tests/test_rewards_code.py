@@ -92,7 +92,7 @@ class _FakeSandboxFusion(BaseHTTPRequestHandler):
     """Executes nothing: answers like SandboxFusion by pattern-matching a tiny language."""
     calls = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _FakeSandboxFusion.calls.append(body)
         import contextlib

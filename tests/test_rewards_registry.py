@@ -6,9 +6,9 @@ import pytest
 
 from posttrain.errors import DataError, UserError
 from posttrain.rewards import registry
+from posttrain.rewards.base import RewardError, completion_text, register
 from posttrain.rewards.format import make_format_reward
 from posttrain.rewards.language import script_share
-from posttrain.rewards.base import RewardError, completion_text, register
 from posttrain.rewards.registry import compose
 from posttrain.rewards.shaping import (
     make_overlong_reward,

@@ -15,6 +15,7 @@ from posttrain.recipes.rl import phases as ph
 from posttrain.rewards.base import RewardError, register
 from posttrain.rollout.trajectory import Trajectory, make_batches
 
+
 def run(tmp_path, *overrides, name="run"):
     return run_rl(tmp_path, "prompts_per_step=2", "max_new_tokens=8", "max_steps=2", *overrides, name=name)
 
@@ -180,8 +181,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, monkeypatch,
     monkeypatch.setattr(rl.step, "rl_step", real_step)
     run(tmp_path, *args, "resume=true", name="cut")
     a, b = rows_of(full), rows_of(tmp_path / "cut")
-    timing = lambda k: k.startswith("time/") or k.endswith("/seconds") or k == "tokens_per_s"  # noqa: E731
-    drop = lambda r: {k: v for k, v in r.items() if not timing(k)}  # noqa: E731
+    timing = lambda k: k.startswith("time/") or k.endswith("/seconds") or k == "tokens_per_s"
+    drop = lambda r: {k: v for k, v in r.items() if not timing(k)}
     assert [drop(r) for r in a] == [drop(r) for r in b]
     wa = load_file(full / "final" / "model.safetensors")
     wb = load_file(tmp_path / "cut" / "final" / "model.safetensors")
@@ -253,8 +254,8 @@ def test_ppo_learns_and_its_critic_explains_the_returns(tmp_path, tiny_tok):
     predicting the mean return; measured 0.02-0.27 over seeds 0-3)."""
     from transformers import AutoModelForCausalLM
 
-    from test_rl_recipe import expected_first_token_even
     from posttrain.models.loading import load_model
+    from test_rl_recipe import expected_first_token_even
 
     before = expected_first_token_even(load_model("tiny-random", seed=0), tiny_tok)
     summary, out = run(tmp_path, "algo=ppo", "reward=even_count_plus_first_token_even", "max_new_tokens=2",
@@ -285,8 +286,8 @@ def test_online_dpo_raises_the_expected_reward(tmp_path, tiny_tok, pref):
     reward is measured exactly (no sampling noise in the measurement, only in the training path)."""
     from transformers import AutoModelForCausalLM
 
-    from test_rl_recipe import expected_first_token_even
     from posttrain.models.loading import load_model
+    from test_rl_recipe import expected_first_token_even
 
     before = expected_first_token_even(load_model("tiny-random", seed=0), tiny_tok)
     summary, out = run(tmp_path, "algo=online_dpo", *pref, "reward=first_token_even", "max_new_tokens=1",

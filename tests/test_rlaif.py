@@ -12,8 +12,6 @@ from posttrain.rewards.base import RewardError
 from posttrain.rewards.registry import compose
 
 
-
-
 def judge_reward(fake, tmp_path, **opts):
     return compose("judge", options={"judge": {"base_url": fake.base_url, "cache": str(tmp_path / "cache.sqlite"), **opts}})
 

@@ -4,7 +4,6 @@ addition (issue #16 acceptance 3: pass@1 >= 0.8). Run alone, by hand:
 
 import time
 
-
 from test_slow_rl import ARGS, pass_at_1, pytestmark  # noqa: F401  (slow + needs the fetched model)
 
 

@@ -42,7 +42,7 @@ def template_glue(tok, role: str) -> Glue:
     base = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _A}]
     try:
         text = tok.apply_chat_template(base + [{"role": role, "content": _B}], tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - a template may refuse the role
+    except Exception as e:  # a template may refuse the role
         raise UserError(f"the chat template cannot render a '{role}' message after an assistant turn ({e})") from None
     i = text.find(_A)
     j = text.find(_B, i)
@@ -197,7 +197,7 @@ def supports_template_tools(tok) -> bool:
     try:
         text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tools=[probe], tokenize=False,
                                        add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - templates without tool support may raise
+    except Exception:  # templates without tool support may raise
         return False
     return "probe_tool_xyz" in text and TemplateFormat.open_tag in text
 

@@ -239,7 +239,7 @@ def _env_step(env, text: str):
     t0 = time.perf_counter()
     try:
         obs, done, info = env.step(text)
-    except Exception as e:  # noqa: BLE001 - a broken environment ends its episode, not the run
+    except Exception as e:  # a broken environment ends its episode, not the run
         return None, True, {"env_error": f"{type(e).__name__}: {e}"}, time.perf_counter() - t0
     return obs, done, dict(info or {}), time.perf_counter() - t0
 

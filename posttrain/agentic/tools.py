@@ -99,7 +99,7 @@ def execute(call: ToolCall, tools: dict[str, Tool], max_chars: int = 2000) -> To
     def target():
         try:
             box["text"] = str(tool.fn(**call.arguments))
-        except BaseException as e:  # noqa: BLE001 - a tool's failure is an observation
+        except BaseException as e:  # a tool's failure is an observation
             box["error"] = f"{type(e).__name__}: {e}"
 
     t0 = time.perf_counter()

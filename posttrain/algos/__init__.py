@@ -15,24 +15,16 @@ distill.py (module names differ from the registry names so neither shadows the o
     loss = aggregate(loss_tok, mask, "token_mean", norm_tokens=global_tokens)
 """
 
-from posttrain.algos.registry import (  # noqa: F401  (registries first; modules below fill them)
-    Registry,
-    advantages,
-    distill_losses,
-    kl_estimators,
-    policy_losses,
-    preference_losses,
-)
-from posttrain.algos import adv_estimators as _adv_module  # noqa: F401,E402
-from posttrain.algos import distill as _distill_module  # noqa: F401,E402
-from posttrain.algos import kl as _kl_module  # noqa: F401,E402
-from posttrain.algos import pg_losses as _pl_module  # noqa: F401,E402
-from posttrain.algos import preference as _pref_module  # noqa: F401,E402
-from posttrain.algos.aggregate import MODES as AGGREGATION_MODES  # noqa: F401,E402
-from posttrain.algos.aggregate import aggregate, loss_token_count, sequence_count  # noqa: F401,E402
-from posttrain.algos.adv_estimators import gae  # noqa: F401,E402
-from posttrain.algos.filters import FilterResult, dynamic_sampling, in_band, learnability_band  # noqa: F401,E402
-from posttrain.algos.kl import (  # noqa: F401,E402
+from posttrain.algos import adv_estimators as _adv_module  # noqa: F401
+from posttrain.algos import distill as _distill_module  # noqa: F401
+from posttrain.algos import kl as _kl_module  # noqa: F401
+from posttrain.algos import pg_losses as _pl_module  # noqa: F401
+from posttrain.algos import preference as _pref_module  # noqa: F401
+from posttrain.algos.adv_estimators import gae  # noqa: F401
+from posttrain.algos.aggregate import MODES as AGGREGATION_MODES  # noqa: F401
+from posttrain.algos.aggregate import aggregate, loss_token_count, sequence_count  # noqa: F401
+from posttrain.algos.filters import FilterResult, dynamic_sampling, in_band, learnability_band  # noqa: F401
+from posttrain.algos.kl import (  # noqa: F401
     BETA_PRESETS,
     AdaptiveKLController,
     FixedKLController,
@@ -41,5 +33,13 @@ from posttrain.algos.kl import (  # noqa: F401,E402
     kl_k2,
     kl_k3,
 )
-from posttrain.algos.pg_losses import value_loss  # noqa: F401,E402
-from posttrain.algos.reward_model import bradley_terry_loss  # noqa: F401,E402
+from posttrain.algos.pg_losses import value_loss  # noqa: F401
+from posttrain.algos.registry import (  # noqa: F401  (the registries; importing the modules above fills them)
+    Registry,
+    advantages,
+    distill_losses,
+    kl_estimators,
+    policy_losses,
+    preference_losses,
+)
+from posttrain.algos.reward_model import bradley_terry_loss  # noqa: F401

@@ -85,7 +85,7 @@ def read_rows(source: str | Path) -> list[Row]:
 
         try:
             ds = datasets.load_from_disk(str(path))
-        except Exception as e:  # noqa: BLE001 - report what datasets said
+        except Exception as e:  # report what datasets said
             raise UserError(f"{path}: not a datasets folder saved with save_to_disk ({e})") from None
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))

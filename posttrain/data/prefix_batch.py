@@ -88,7 +88,7 @@ def build(groups: list[Group], pad_id: int, pad_to_multiple_of: int = 64) -> Pre
         blocks.append((pad, ()))  # padding attends only to itself
         ids += [pad_id] * pad
         pos += range(pad)
-    long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    long = lambda x: torch.tensor(x, dtype=torch.long)
     return PrefixBatch(long([ids]), long([pos]), (tuple(blocks),), long(hidden), long(targets), long(seq),
                        long(last), long(lengths), real)
 

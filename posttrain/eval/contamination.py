@@ -73,7 +73,7 @@ def train_index(rows: list[dict], sizes: set[int]) -> set[bytes]:
 def overlap(train_rows: list[dict], eval_rows: list[dict], n: int = 13, fields: tuple[str, ...] = ("prompt",),
             min_words: int = 8) -> dict:
     """{"items": [{index, id, grams, found, contaminated}], "contaminated_items", "contaminated_fraction", "gram_fraction"}."""
-    pick = lambda r: {k: r[k] for k in fields if k in r} or r  # noqa: E731 - a row without the fields: all of it
+    pick = lambda r: {k: r[k] for k in fields if k in r} or r  # a row without the fields: all of it
     eval_fields = [[words(t) for t in row_texts(pick(r))] for r in eval_rows]
     short = {len(ws) for f in eval_fields for ws in f if min(n, min_words) <= len(ws) < n}
     index = train_index(train_rows, {n} | short)

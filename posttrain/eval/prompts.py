@@ -93,7 +93,7 @@ def build_items(tok, rows: list[formats.Row], system_prompt: str = "", shots: li
             msgs = conversation(row, system_prompt, shots)
             try:
                 text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - a template error names the row
+            except Exception as e:  # a template error names the row
                 raise row.error("prompt", f"the chat template cannot render it: {e}") from None
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:

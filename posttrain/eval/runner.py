@@ -165,7 +165,7 @@ class _Scorer(threading.Thread):
                 for k, v in c.items():
                     self.counts[k] += v
                 self.counts["scoring_batches"] += 1
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            except BaseException as e:  # re-raised in the caller's thread
                 self.error = e
             self.busy_s += time.perf_counter() - t
 

@@ -11,7 +11,8 @@ import contextlib
 import torch
 
 from posttrain.data.packing import IGNORE, Batch
-from posttrain.ops.attention import NAME as VARLEN, segments_from_positions
+from posttrain.ops.attention import NAME as VARLEN
+from posttrain.ops.attention import segments_from_positions
 from posttrain.ops.logprobs import chunked_logprobs
 
 

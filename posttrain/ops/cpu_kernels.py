@@ -55,7 +55,7 @@ def load():
 
         _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE)],
                         extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build problem means: use the eager ops
+    except Exception as e:  # any build problem means: use the eager ops
         warnings.warn(f"posttrain: fused CPU kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using eager ops", stacklevel=2)
         _module = None
     return _module

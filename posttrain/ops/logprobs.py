@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-
 KEEP_MAX = 2**25  # elements (128 MB in fp32) of softmax the forward may hand to the backward
 
 

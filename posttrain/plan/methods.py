@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from posttrain.errors import UserError
 from posttrain.algos.kl import BETA_PRESETS
 from posttrain.algos.presets import RL_PRESETS
+from posttrain.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ from pydantic import Field, model_validator
 
 from posttrain.algos import preference_losses
 from posttrain.config import CommonConfig, parse_args
-from posttrain.data.prefix_batch import micro_batches
 from posttrain.data.preference import TokenizedPair, load_split
+from posttrain.data.prefix_batch import micro_batches
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.loading import load_model, load_tokenizer
@@ -48,17 +48,17 @@ from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan.measure import Measured, write_plan
-from posttrain.training.data_order import EpochSampler
-from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
-from posttrain.training import run as training_run
-from posttrain.training.loop import CheckpointArgs, run_loop
-from posttrain.training.plan import measured_plan, predict_run
-from posttrain.training.run import seed_everything
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
-from posttrain.training.lifecycle import RunLifecycle
 from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
 from posttrain.systems import dist as ranks  # `dist` is torch.distributed in Meter.reduce
 from posttrain.systems import fsdp
+from posttrain.training import run as training_run
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
+from posttrain.training.plan import measured_plan, predict_run
+from posttrain.training.run import seed_everything
 
 FILLED_BY_RECIPE = ("chosen_lengths", "rejected_lengths", "kl")  # loss arguments the recipe passes itself
 

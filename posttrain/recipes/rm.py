@@ -27,19 +27,19 @@ from pydantic import Field
 
 from posttrain.algos.reward_model import bradley_terry_loss
 from posttrain.config import CommonConfig, parse_args
-from posttrain.data.prefix_batch import micro_batches
 from posttrain.data.preference import TokenizedPair, load_split
+from posttrain.data.prefix_batch import micro_batches
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.training.data_order import EpochSampler
-from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
+from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
 from posttrain.training.plan import measured_plan, predict_run
 from posttrain.training.run import seed_everything
-from posttrain.training.lifecycle import RunLifecycle
 
 
 class RMConfig(CommonConfig):

@@ -23,9 +23,9 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data.formats import completion_text
 from posttrain.data.preference import Pair, load_pairs
 from posttrain.rewards import probe_stats as st
-from posttrain.data.formats import completion_text
 from posttrain.rollout.settings import SamplingSettings
 
 

@@ -30,20 +30,19 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from posttrain.config import Config, parse_args
+from posttrain.config import Config, ReportTo, parse_args, report_to_field
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
-from posttrain.config import ReportTo, report_to_field
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
-from posttrain.training.run import progress
-from posttrain.training.lifecycle import RunLifecycle
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
+from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.run import progress
 
 # keys of the SFT section that rs sets itself, each round
 SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device")
@@ -370,7 +369,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_args(RSConfig, argv, prog="posttrain rs")  # a bad key or value: ConfigError, reported by the CLI
     t0 = time.perf_counter()
     s = train(cfg)
-    fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"  # noqa: E731 - None / NaN: no reward applied
+    fmt = lambda x: "n/a" if x is None or x != x else f"{x:.3f}"  # None / NaN: no reward applied
     after = f" -> {fmt(s['reward_after'])} after {cfg.rounds} round(s)" if s["reward_after"] is not None else ""
     print(f"reward {fmt(s['reward_before'])} (best of {cfg.n}: {fmt(s['reward_best_of_n'])}){after}; "
           f"{time.perf_counter() - t0:.0f} s; run directory: {cfg.output_dir}")

@@ -34,15 +34,15 @@ from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
-from posttrain.training.lifecycle import RunLifecycle
-from posttrain.training.data_order import EpochSampler
-from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
-from posttrain.training import run as training_run
-from posttrain.training.loop import CheckpointArgs, run_loop
-from posttrain.training.plan import measured_plan, planned_tokens, predict_run
-from posttrain.training.run import seed_everything
 from posttrain.recipes import sft_sharded
 from posttrain.systems import dist, fsdp
+from posttrain.training import run as training_run
+from posttrain.training.data_order import EpochSampler
+from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.loop import CheckpointArgs, run_loop
+from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
+from posttrain.training.plan import measured_plan, planned_tokens, predict_run
+from posttrain.training.run import seed_everything
 
 SFT_FORMATS = ("conversation", "prompt_completion", "text")
 PROBE_TEXT = Path(__file__).resolve().parent.parent / "assets" / "probe.txt"

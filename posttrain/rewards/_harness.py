@@ -37,13 +37,15 @@ _write = os.write
 _exit = os._exit
 
 
-def _make_strict_eq(type=type, len=len, all=all, zip=zip, bool=bool, int=int, float=float, complex=complex,
+# C901: one closure on purpose. A helper at module level would be a global the solution can patch
+# (`import __main__`); every name `_strict_eq` calls is bound here, before untrusted code runs.
+def _make_strict_eq(type=type, len=len, all=all, zip=zip, bool=bool, int=int, float=float, complex=complex,  # noqa: C901
                     str=str, bytes=bytes, bytearray=bytearray, list=list, tuple=tuple, dict=dict, set=set,
                     frozenset=frozenset):
     """Build `_strict_eq` with every name it uses bound now, so later patches to builtins or to
     this module cannot change it."""
 
-    def _strict_eq(a, b, _depth=0):
+    def _strict_eq(a, b, _depth=0):  # noqa: C901 - see _make_strict_eq
         """`a == b`, refusing objects of user classes that hijack equality (Python data model).
 
         Builtin values compare with their own semantics (1 == 1.0 is allowed; bool/int/float/complex
@@ -167,7 +169,9 @@ _PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
                 "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move")
 
 
-def _make_hook(workdir, allow_spawn):
+# C901: one flat dispatch on the audit event, kept in one closure like _make_strict_eq: module-level helpers
+# would be more globals the solution could patch (`import __main__`).
+def _make_hook(workdir, allow_spawn):  # noqa: C901
     realpath, fspath, getpid = os.path.realpath, os.fspath, os.getpid
     prefix = realpath(workdir) + os.sep
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
-from posttrain.rewards.pool import default_pool
 from posttrain.rewards.base import RewardError, completion_text, register
+from posttrain.rewards.pool import default_pool
 
 THINK_ANSWER = r"\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*</answer>\s*"
 

@@ -21,8 +21,8 @@ import re
 from fractions import Fraction
 
 from posttrain.rewards import extract
-from posttrain.rewards.pool import default_pool
 from posttrain.rewards.base import RewardError, completion_text, register
+from posttrain.rewards.pool import default_pool
 
 try:  # the `math` extra
     import math_verify  # noqa: F401

@@ -42,11 +42,11 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import posttrain.rewards.code  # noqa: F401
-import posttrain.rewards.format  # noqa: F401
-import posttrain.rewards.judge  # noqa: F401
-import posttrain.rewards.language  # noqa: F401
-import posttrain.rewards.math  # noqa: F401
+import posttrain.rewards.code
+import posttrain.rewards.format
+import posttrain.rewards.judge
+import posttrain.rewards.language
+import posttrain.rewards.math
 import posttrain.rewards.shaping  # noqa: F401 - importing the built-ins registers them
 from posttrain.errors import UserError
 from posttrain.rewards.base import REGISTRY, RewardError, RewardFn, RewardSpec
@@ -287,7 +287,7 @@ def call_reward(name: str, fn: RewardFn, prompts: list, completions: list, colum
         vals = e.values if e.values is not None else [None] * n
         out, errs = _check_values(name, vals, n)
         return out, e.errors + errs
-    except Exception as e:  # noqa: BLE001 - any failure of a reward is reported, per sample
+    except Exception as e:  # any failure of a reward is reported, per sample
         if n <= 1:
             return [None] * n, [(0 if n else None, f"{type(e).__name__}: {e}")]
         out, errors = [], []

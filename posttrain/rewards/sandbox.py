@@ -79,7 +79,7 @@ class RunResult:
 def outputs_match(got: str, expected: str) -> bool:
     """A program's stdout against a stdio case's expected output, trailing spaces and outer blank lines ignored
     (the local sandbox's runs and the remote service's are compared alike)."""
-    norm = lambda s: "\n".join(line.rstrip() for line in s.strip().splitlines())  # noqa: E731
+    norm = lambda s: "\n".join(line.rstrip() for line in s.strip().splitlines())
     return norm(got) == norm(expected)
 
 

@@ -106,7 +106,7 @@ class Engine:
         self._weights_version = self._version()
         self._t0 = time.perf_counter()
         S, dev = cfg.max_num_seqs, self.runner.device
-        z = lambda dt=torch.long: torch.zeros(S, dtype=dt, device=dev)  # noqa: E731
+        z = lambda dt=torch.long: torch.zeros(S, dtype=dt, device=dev)
         self.tables = torch.zeros(S, per_seq_blocks, dtype=torch.long, device=dev)
         self.ntok, self.last, self.ngen, self.max_new = z(), z(), z(), z()
         self.seed, self.sidx, self.topk = z(), z(), z()

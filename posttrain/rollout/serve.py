@@ -114,7 +114,7 @@ class EngineWorker:
                 self.peak_jobs = max(self.peak_jobs, len(active))
                 if self.engine.scheduler.has_work():
                     self.engine.step()
-            except Exception as e:  # noqa: BLE001 - every caller gets the error; the engine is not trusted again
+            except Exception as e:  # every caller gets the error; the engine is not trusted again
                 self.broken = f"engine failed: {type(e).__name__}: {e}"
                 for job in active:
                     job.future.set_exception(RuntimeError(self.broken))
@@ -240,7 +240,7 @@ def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_toke
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
             ids = render_prompt(tokenizer, messages)
-        except Exception as e:  # noqa: BLE001 - a template that refuses these messages is the caller's problem
+        except Exception as e:  # a template that refuses these messages is the caller's problem
             return _error(400, f"messages: the chat template refused them: {type(e).__name__}: {e}")
         outs, err = await run(body, [ids])
         if err is not None:

@@ -24,7 +24,6 @@ from posttrain.errors import UserError
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.plan.measure import Measured, write_measured
 
-
 # ---------------------------------------------------------------- tokenizers
 
 
@@ -54,7 +53,7 @@ def check_same_tokenizer(student_tok, teacher_tok, student: str, teacher: str, m
     if diff is None:
         return
     i, sa, sb = diff
-    show = lambda t: "no token" if t is None else repr(t)  # noqa: E731
+    show = lambda t: "no token" if t is None else repr(t)
     raise UserError(
         f"teacher '{teacher}' and student '{student}' have different tokenizers: token id {i} is {show(sa)} for the "
         f"student and {show(sb)} for the teacher (vocabularies of {len(student_tok)} and {len(teacher_tok)}). "

@@ -184,7 +184,7 @@ class RayProducer:
         ray = _ray()
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
-        except Exception:  # noqa: BLE001 - shutting down a dead actor
+        except Exception:  # shutting down a dead actor
             pass
         ray.kill(self.actor, no_restart=True)
         ray.kill(self.reward, no_restart=True)

@@ -83,7 +83,7 @@ ReportTo = Annotated[str, BeforeValidator(parse_report_to)]
 
 
 class CommonConfig(Config):
-    """Keys every recipe shares (DESIGN §3)."""
+    """Keys every recipe shares."""
 
     model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name, from the HF cache or downloaded)")
     data: str = Field("", description="dataset: .jsonl/.parquet file, HF datasets folder, or built-in task name")

@@ -88,7 +88,7 @@ def test_lora_params_equal_peft_on_a_tiny_model():
 
 
 def test_lora_fraction_qwen_0_5b_spec_values():
-    # SPEC §1: r=16 all-linear on Qwen2.5-0.5B ≈ 1.78% trainable; r=64 ≈ 7.12% (of the base's parameters).
+    # docs/planner.md (LoRA): r=16 all-linear on Qwen2.5-0.5B ≈ 1.78% trainable; r=64 ≈ 7.12% (of the base's parameters).
     assert predict("qwen2.5-0.5b", lora_r=16)["lora"]["fraction_of_base"] == pytest.approx(0.0178, rel=0.01)
     assert predict("qwen2.5-0.5b", lora_r=64)["lora"]["fraction_of_base"] == pytest.approx(0.0712, rel=0.01)
 

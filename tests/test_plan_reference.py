@@ -1,4 +1,4 @@
-"""Every reference value of SPEC §10 (and the seeds' worked examples), each within 2% unless noted."""
+"""Every reference value of docs/planner.md ("Reference values"), each within 2% unless noted."""
 
 import math
 
@@ -44,7 +44,7 @@ def test_dpo_70b_with_precomputed_reference_is_1120_gb():
 
 
 def test_dpo_with_lora_reference_is_the_base_under_20_gb():
-    # SPEC §4: with LoRA the reference is the base with the adapter disabled (≈ 20 GB at 8B instead of 128 GB)
+    # with LoRA the reference is the base with the adapter disabled (≈ 20 GB at 8B instead of 128 GB)
     p = predict("llama-3-8b", "dpo", lora_r=16, precompute_ref=False)
     ref = next(m for m in p["models"] if m["role"] == "reference")
     assert ref["bytes"] == 0 and ref["shared_with"] == "policy"
@@ -206,7 +206,7 @@ def test_gpqa_198_items():
     assert predict(8e9, eval_n=198, eval_p=0.8)["eval"]["ci95_half_width"] == approx(0.056)
 
 
-# ---------------------------------------------------------------- SPEC §0 method table
+# ---------------------------------------------------------------- the method table (`posttrain methods`)
 
 
 @pytest.mark.parametrize("method,options,count", [

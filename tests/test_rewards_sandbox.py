@@ -1,4 +1,5 @@
-"""Hostile code in the sandbox: nothing scores as a pass, nothing harms the host (DESIGN §5.6)."""
+"""Hostile code in the sandbox: nothing scores as a pass, nothing harms the host (docs/rewards.md, "Code: the
+sandbox and its threat model")."""
 
 import os
 import socket

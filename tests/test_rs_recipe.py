@@ -61,7 +61,7 @@ def test_threshold_best_and_above():
 
 
 def test_bon_kl_bound_matches_the_spec_numbers():
-    # SPEC §2-§3 prints them to two decimals (1.835 as 1.83): agreement to 0.01
+    # the reference values (docs/planner.md) are to two decimals (1.835 as 1.83): agreement to 0.01
     for n, nats in [(4, 0.64), (10, 1.40), (16, 1.83), (30, 2.43), (64, 3.17)]:
         assert bon_kl(n) == pytest.approx(nats, abs=0.01)
 

@@ -1,4 +1,4 @@
-"""Advantage estimators (SPEC §3).
+"""Advantage estimators (docs/algorithms.md).
 
 Outcome-reward estimators share one signature (registry level "outcome"):
 
@@ -37,7 +37,7 @@ def _check(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
 
 def group_metrics(rewards: torch.Tensor, group_ids: torch.Tensor, adv: torch.Tensor,
                   pass_threshold: float = 0.5) -> dict[str, torch.Tensor]:
-    """Health metrics of a grouped batch (SPEC §3 "health metrics")."""
+    """Health metrics of a grouped batch (`adv/*`, `groups/*`: docs/rl.md "Metrics")."""
     inv, counts = group_index(group_ids)
     g = counts.numel()
     r = rewards.detach().float()
@@ -158,7 +158,7 @@ def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps
 def learnability(rewards: torch.Tensor, group_ids: torch.Tensor, *, weight: str = "variance",
                  lam: float = 1.0, std_scale: str = "group", eps: float = 1e-6,
                  pass_threshold: float = 0.5):
-    """GRPO advantage re-weighted per prompt by how learnable the prompt is (SPEC §3).
+    """GRPO advantage re-weighted per prompt by how learnable the prompt is (docs/algorithms.md).
 
         p_g = fraction of the group with reward > pass_threshold   (empirical pass rate)
         weight="variance":  w_g = 4 p_g (1 − p_g)         reward variance of a Bernoulli(p), scaled so

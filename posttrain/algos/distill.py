@@ -1,4 +1,4 @@
-"""Logit-level distillation losses (SPEC §7), per token. One signature:
+"""Logit-level distillation losses (docs/distill.md), per token. One signature:
 
     f(student_logits (B, T, V), mask (B, T), *, teacher_logits (B, T, V) = None,
       teacher_topk_logps (B, T, k) = None, teacher_topk_ids (B, T, k) long = None,

@@ -1,11 +1,11 @@
-"""Sampling filters on grouped rollouts (SPEC §3). DAPO's overlong length shaping is a reward and
+"""Sampling filters on grouped rollouts (docs/algorithms.md). DAPO's overlong length shaping is a reward and
 lives in posttrain/rewards/shaping.py.
 
 - `dynamic_sampling` (DAPO, Yu et al. 2025 §3.2, eq. 11 constraint 0 < |{correct}| < G): drop groups
   whose rewards are all equal — their group-relative advantage is 0, so they only dilute the batch.
   The recipe keeps sampling until it has enough kept groups, with a cap on retries.
 - `learnability_band`: keep groups (or prompts, from tracked pass rates) with low < p < high,
-  default 0.2 < p < 0.8 (SPEC §3 curriculum; reward variance p(1−p) is largest there).
+  default 0.2 < p < 0.8 (a curriculum of learnable prompts, docs/concepts.md; reward variance p(1−p) is largest there).
 
 Both return a `FilterResult` of tensors: indices (K,) long of kept samples (sorted), kept_groups
 (group ids kept), num_groups and num_kept (0-dim long) — counts for the health metrics.

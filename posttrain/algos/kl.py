@@ -27,7 +27,7 @@ import torch
 
 from posttrain.algos.registry import kl_estimators
 
-# β presets from the papers (SPEC §3). DAPO drops the KL term (β = 0: no reference model is loaded).
+# β presets from the papers. DAPO drops the KL term (β = 0: no reference model is loaded).
 BETA_PRESETS: dict[str, float] = {
     "instructgpt": 0.02,  # Ouyang et al. 2022
     "llama2": 0.01,  # Touvron et al. 2023

@@ -1,4 +1,4 @@
-"""Policy-gradient losses (SPEC §3). One signature:
+"""Policy-gradient losses (docs/algorithms.md). One signature:
 
     f(logp (B, T), old_logp (B, T), advantages (B, T) or (B,), mask (B, T), **hp)
         -> (per-token loss (B, T), metrics)

@@ -1,4 +1,4 @@
-"""Offline preference losses (SPEC §4). One signature:
+"""Offline preference losses (docs/algorithms.md). One signature:
 
     f(policy_chosen_logps (B,), policy_rejected_logps (B,), ref_chosen_logps (B,) | None,
       ref_rejected_logps (B,) | None, **hp) -> (loss (B,), metrics)
@@ -12,7 +12,7 @@ the desirable examples (B_d,) and "rejected" the undesirable ones (B_u,), B_d �
 Notation: implicit reward r̂ = β (log πθ − log πref); h = (log πθ(y_w) − log πref(y_w))
 − (log πθ(y_l) − log πref(y_l)). Metrics (0-dim, detached): rewards/chosen, rewards/rejected,
 rewards/margins, rewards/accuracies (r̂_w > r̂_l), logps/chosen, logps/rejected, and
-kl = E[log πθ(y_w) − log πref(y_w)] = E[r̂_w]/β (SPEC §4: check with a judge past 2–3 nats).
+kl = E[log πθ(y_w) − log πref(y_w)] = E[r̂_w]/β (past 2–3 nats, check the policy with a judge).
 """
 
 from __future__ import annotations

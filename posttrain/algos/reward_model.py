@@ -1,4 +1,4 @@
-"""Bradley–Terry reward-model loss (SPEC §2).
+"""Bradley–Terry reward-model loss (docs/algorithms.md, "Preference losses").
 
     L = −log σ(r_w − r_l − m)  +  c · (r_w + r_l)²
 

@@ -1,4 +1,4 @@
-"""RL health alarms (SPEC §3): a bad run is stopped, not plotted.
+"""RL health alarms (docs/alarms.md): a bad run is stopped, not plotted.
 
 Every step the monitor reads the metrics row the RL step already logs (names in docs/rl.md "Metrics")
 and the step's samples, and raises an alarm when a curve leaves its healthy range:

@@ -1,4 +1,4 @@
-"""Alarms of offline preference training (SPEC §4), raised from the metrics of each step.
+"""Alarms of offline preference training (docs/preference.md), raised from the metrics of each step.
 
     likelihood displacement   the chosen *and* the rejected log-probs both fall below the reference's
                               (mean log π_θ − log π_ref < 0 for both) for `patience` steps in a row:

@@ -1,7 +1,7 @@
 """The one sampling function: logits -> the exact distribution a token is drawn from.
 
 The engine samples with it and the trainer recomputes behaviour log-probs with it, so the two can
-only disagree by the logits (train–inference consistency, SPEC §3).
+only disagree by the logits (train–inference consistency: docs/engine.md, "Sampling semantics").
 
 Semantics of `process_logits(logits, temperature, top_k, top_p)` (same order as HF `generate` and
 vLLM: temperature, then top-k, then top-p), per row:

@@ -1,10 +1,10 @@
-"""The cost planner (SPEC §10): predict memory, tokens, FLOPs and time of a method before running it.
+"""The cost planner (docs/planner.md): predict memory, tokens, FLOPs and time of a method before running it.
 
     from posttrain.plan import predict
     predict("llama-3-8b", "ppo")["memory_bytes_total"]   # 288e9-ish: 128 + 128 + 16 + 16 GB
 
 Modules: `arch` (parameters, LoRA, KV from a config), `cost` (the formulas), `methods` (models and passes
-per method, SPEC §0), `predict` (one plan as a dict), `report` (the table), `measure` (what a run
+per method, the table of `posttrain methods`), `predict` (one plan as a dict), `report` (the table), `measure` (what a run
 records next to its prediction in `plan.json`), `cli` (`posttrain plan`).
 """
 

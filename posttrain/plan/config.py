@@ -10,7 +10,7 @@ from posttrain.config import Config
 
 
 class PlanConfig(Config):
-    """Predict memory, tokens, FLOPs and time of a post-training method before running it (SPEC §10).
+    """Predict memory, tokens, FLOPs and time of a post-training method before running it (docs/planner.md).
     Add --json to print the prediction as JSON."""
 
     model: str = Field("tiny-random", description="HF folder, known architecture (llama-3-8b, llama-3-70b, qwen2.5-0.5b, "
@@ -27,7 +27,7 @@ class PlanConfig(Config):
     micro_batch: Optional[int] = Field(None, ge=1, description="sequences per forward/backward for the activation estimate (default: the whole step)")
     logit_copies: float = Field(3, ge=0, description="(tokens × vocab) tensors alive at the loss: 3 for the HF loss, 1 with chunked selective log-softmax")
 
-    # method options (SPEC §0)
+    # method options (the method table: `posttrain methods`)
     beta: Optional[float] = Field(None, ge=0, description="KL coefficient; 0 loads no reference (default: the method's, see `posttrain methods`)")
     reward: Optional[str] = Field(None, description="rs/ppo/grpo/rlvr/agent: 'model' (a reward model in memory) or 'verifier' (no model)")
     reward_model: Optional[str] = Field(None, description="size or architecture of the reward model (default: same as model)")

@@ -1,4 +1,4 @@
-"""The cost model's formulas, as pure functions of numbers (SPEC §3, §6, §7, §8, §10).
+"""The cost model's formulas, as pure functions of numbers (derived in docs/planner.md).
 
 Units: bytes, FLOPs, seconds, nats. GB = 1e9 bytes (the seeds' 288 GB), GiB/TiB = 2^30/2^40 (KV sizes).
 """

@@ -1,11 +1,12 @@
 """Per-method registry for the planner: which models sit in memory and which passes a step runs.
 
-SPEC §0: every method is policy + reward + reference (+ value). A method here is two functions of a
+Every method is policy + reward + reference (+ value). A method here is two functions of a
 few options (β, where the reward comes from, precomputed reference, value model, distillation mode):
 `roles` (the models held in memory, each trained or frozen) and `phases` (the passes of one step,
 each a forward at 2 FLOPs per parameter per token or a training pass at 6 = forward 2 + backward 4).
 
-FLOPs per token in units of N (policy parameters, all models the same size), SPEC §3 / seeds:
+FLOPs per token in units of N (policy parameters, all models the same size; forward 2N, backward
+4N as in Kaplan et al. 2020, Scaling Laws for Neural Language Models; docs/planner.md):
     SFT, RM      train 6N                                                   = 6N
     DPO          reference forward 2N + policy train 6N                     = 8N
     GRPO         generate 2N + reference 2N + reward model 2N + train 6N   = 12N
@@ -53,7 +54,7 @@ class Options:
 class Method:
     name: str
     summary: str
-    reward_from: str  # SPEC §0 columns
+    reward_from: str  # the columns of the method table (`posttrain methods`)
     reference: str
     value: str
     generates: bool  # sampling is part of a step (KV cache matters)
@@ -184,7 +185,8 @@ def models_in_memory(name: str, **overrides) -> int:
 
 
 def method_table() -> list[dict]:
-    """SPEC §0 rows computed from this registry (for `posttrain methods` and the docs)."""
+    """The method table (policy / reward / reference / value per method), computed from this registry (for
+    `posttrain methods` and the docs)."""
     rows = []
     for method in METHODS.values():
         count = str(models_in_memory(method.name))

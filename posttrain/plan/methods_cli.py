@@ -1,4 +1,4 @@
-"""`posttrain methods`: SPEC §0's table (policy / reward / reference / value per method), from the registry."""
+"""`posttrain methods`: the method table (policy / reward / reference / value per method), from the registry."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`posttrain rm probe`: check a reward model before RL optimises against it (SPEC §2).
+"""`posttrain rm probe`: check a reward model before RL optimises against it (docs/preference.md).
 
     length bias    Spearman ρ of reward vs completion length (tokens) over held-out chosen and rejected
                    completions; a warning above `length_warn` (0.3): the RM may pay for length

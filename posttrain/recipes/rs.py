@@ -9,7 +9,7 @@ One round reads top to bottom; the phase names are the timer names:
 Round r samples from the model round r−1 trained (round 1 from `model`); after the last round the
 final model is sampled once more on the same prompts: the reward after.
 
-KL to the sampler (SPEC §0, §3): the best of N draws is within log N − (N−1)/N nats of the sampling
+KL to the sampler (docs/rs.md): the best of N draws is within log N − (N−1)/N nats of the sampling
 policy (Stiennon et al. 2020; an upper bound for any reward, ties included: Beirami et al. 2024).
 Keeping every completion above a threshold is the policy conditioned on passing instead: KL = −log
 P(pass), estimated per prompt as −log(k/N) from the k of N that passed. SFT on the kept set moves the

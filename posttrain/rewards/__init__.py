@@ -1,4 +1,4 @@
-"""Reward sources for RL (SPEC §5): verifiers (math, code sandbox, format), language consistency,
+"""Reward sources for RL (docs/rewards.md): verifiers (math, code sandbox, format), language consistency,
 length shaping, weighted composition, one TRL-compatible signature for all.
 
     from posttrain.rewards import registry

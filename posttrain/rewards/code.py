@@ -1,4 +1,4 @@
-"""Code reward: run the completion's program against the sample's tests in the sandbox (SPEC §5).
+"""Code reward: run the completion's program against the sample's tests in the sandbox (docs/rewards.md).
 
 Columns: `tests` — a list of assert-style tests (each one test: `assert f(2) == 4`, or a block such
 as HumanEval's `def check(candidate): ...\\ncheck(f)`), or one string (a single test); or `stdio` —

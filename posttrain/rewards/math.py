@@ -1,4 +1,4 @@
-"""Math reward: extract the final answer, compare with the gold answer symbolically (SPEC §5).
+"""Math reward: extract the final answer, compare with the gold answer symbolically (docs/rewards.md).
 
 Comparison uses math-verify (Hugging Face; `verify(gold, answer)` — gold first, the order matters
 for its set/interval and relation handling) in a killable worker process. math-verify's own

@@ -1,4 +1,4 @@
-"""A pool of killable worker processes for verifiers (SPEC §5: "with a time limit in a killable worker").
+"""A pool of killable worker processes for verifiers: each call has a time limit (docs/rewards.md).
 
 Why not `concurrent.futures.ProcessPoolExecutor`: a task that hangs (sympy on `9^{9^{9^9}}`, a regex
 with catastrophic backtracking) cannot be cancelled there; here each task has a deadline, a worker

@@ -1,4 +1,4 @@
-"""The statistics of `posttrain rm probe` (SPEC §2): pure functions on lists of numbers and strings.
+"""The statistics of `posttrain rm probe` (docs/preference.md): pure functions on lists of numbers and strings.
 
     spearman(x, y)                       rank correlation (ties get their mean rank)
     best_of_n(rewards, N, *extras)       E[max of N samples drawn without replacement from M], exact

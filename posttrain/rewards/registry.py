@@ -1,4 +1,4 @@
-"""Reward registry and weighted composition (SPEC §5).
+"""Reward registry and weighted composition (docs/rewards.md).
 
 Every reward has the signature of TRL's reward functions:
 

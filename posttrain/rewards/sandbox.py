@@ -1,4 +1,4 @@
-"""Sandboxed execution of untrusted Python for code rewards (SPEC §5 "Code").
+"""Sandboxed execution of untrusted Python for code rewards (docs/rewards.md, "Code: the sandbox and its threat model").
 
 One fresh interpreter per run, `python -I -S -B` (isolated: no env vars, no user site, no script
 dir on sys.path; -S: no site-packages, so the solution sees only the standard library and starts

@@ -8,8 +8,8 @@ For every loss token of the data (a target the student is trained to predict), i
                       coarser partition top-k ∪ {rest}: posttrain/algos/distill.py)
 
 Bytes per token = k × (id + value) + value: 64 × (2 + 2) + 2 = 258 B for SmolLM2's 49,152-token
-vocabulary, against V × 2 = 96 KiB for its full logits in 16 bits (SPEC: top-64 ≈ 256 B/token vs
-256 KB for a 128K vocabulary; the 2 extra bytes are the tail).
+vocabulary, against V × 2 = 96 KiB for its full logits in 16 bits (the planner's reference
+value, docs/planner.md: top-64 ≈ 256 B/token vs 256 KB for a 128K vocabulary; the 2 extra bytes are the tail).
 
 The folder is named by a key hashing the teacher (its files' contents), the tokenized data, k, the
 temperature and the dtypes, and lives next to the run (`<output_dir>/../teacher-cache/<key>/` unless

@@ -61,7 +61,7 @@ class DistillConfig(CommonConfig):
     progress: bool = Field(True, description="show a progress bar")
     # logit (and the SFT of sequence)
     top_k: int = Field(64, ge=1, description="logit: teacher log-probs stored per loss token (plus the tail mass)")
-    cache_dtype: str = Field("float16", pattern="^(float16|float32)$", description="logit: dtype of the cached log-probs (float16: 2 bytes, SPEC's 256 B/token at k=64)")
+    cache_dtype: str = Field("float16", pattern="^(float16|float32)$", description="logit: dtype of the cached log-probs (float16: 2 bytes, 258 B/token at k=64, docs/distill.md)")
     cache_dir: str = Field("", description="logit: where teacher caches live (empty: <output_dir>/../teacher-cache, next to the run)")
     teacher_batch_tokens: int = Field(4096, ge=64, description="logit: tokens per teacher forward while filling the cache")
     ce_weight: float = Field(0.0, ge=0, le=1, description="logit: weight of the data's NLL; loss = (1 − w)·divergence + w·NLL")

@@ -18,8 +18,8 @@ One step (`distill_step`) reads top to bottom; the phase names are the timer nam
 
 As in GKD, the gradient does not flow through the sampling: the samples are data, the divergence is
 exact at each visited state. Reverse KL on the student's own tokens is the dense RL objective with
-per-token reward log P_T − log Q_θ (SPEC §0: "teacher distribution log p_T"); `distill/teacher_logp`
-logs the mean log P_T of the sampled tokens.
+per-token reward log P_T − log Q_θ (the reward column of `posttrain methods`: "teacher distribution
+log p_T"); `distill/teacher_logp` logs the mean log P_T of the sampled tokens.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> ("module:function", one-line summary)
+# name -> ("module:function", one-line summary). The summaries are literal so that `posttrain --help` imports
+# nothing heavy; tests/test_cli.py checks that the rl and dpo lists name every preset and loss of the registries.
 COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("posttrain.recipes.sft:main", "supervised fine-tuning (assistant-only loss, packing, LoRA)"),
-    "rl": ("posttrain.recipes.rl:main", "online RL: grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp"),
+    "rl": ("posttrain.recipes.rl:main", "online RL: ppo, online_dpo, grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce_pp"),
     "rm": ("posttrain.recipes.rm:main", "reward model (Bradley–Terry scalar head); `rm probe`: length bias, best-of-N, adversarial, calibration"),
     "dpo": ("posttrain.recipes.dpo:main", "offline preference optimisation: dpo, ipo, robust_dpo, kto, orpo, simpo, rpo, dpo_norm"),
     "rs": ("posttrain.recipes.rs:main", "rejection sampling: best of N by a reward -> SFT, iterated in rounds"),

@@ -51,7 +51,7 @@ class SystemsSettings(Config):
 
 
 class RLConfig(CommonConfig):
-    """posttrain rl: online RL with a group baseline (GRPO family) and verifiable or learned rewards."""
+    """posttrain rl: online RL (PPO with a value model, the GRPO family, online DPO) with verifiable or learned rewards."""
 
     algo: str = Field("grpo", description=f"one of {', '.join(RL_PRESETS)} (presets: posttrain/algos/presets.py)")
     reward: str = Field("math", description="reward or weighted composition: 'math:1.0,format:0.2', 'my.py:fn:0.1'")

@@ -4,7 +4,8 @@ each step's checkpoint; checkpoints every 2 steps, so step 3 is lost and redone)
 resume=true logs the same metrics (timing aside) and ends with the same weights as an uninterrupted run.
 
 rs and sequence distillation run the SFT recipe inside: the kill lands in that SFT (rs: round 1 of 2).
-RL's own kill-and-resume tests are in tests/test_rl_core.py, a torchrun rank's in tests/test_fsdp.py.
+rl (grpo with an adaptive β, ppo with its value model, online DPO with reference updates) is killed the same
+way; async RL's resume is in tests/test_async_rl.py, a torchrun rank's in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ def case(name: str, tmp_path: Path, teacher: str) -> tuple[list[str], list[str],
                  "train.micro_batch_size=1", "train.optim.lr=1e-3", "train.forgetting_probe=false"],
                 ["metrics.jsonl", "round-1/sft/metrics.jsonl", "round-2/sft/metrics.jsonl"],
                 ["round-1/sft/final/model.safetensors", "round-2/sft/final/model.safetensors"])
+    rl = ["rl", *tiny, *CUT, f"data={prompts()}", reward, "prompts_per_step=2", "group_size=4", "max_new_tokens=6",
+          "optim.lr=1e-3", "samples_per_log=2"]
+    if name == "rl_grpo":  # β > 0 with an adaptive KL controller: the reference and β resume too
+        return [*rl, "algo=grpo", "beta=0.05", "kl_target=0.01"], ["metrics.jsonl", "samples.jsonl"], final
+    if name == "rl_ppo":  # the value model, its optimizer and schedule resume (checkpoints/step-N/value/)
+        return ([*rl, "algo=ppo", "critic_lr=1e-3"], ["metrics.jsonl", "samples.jsonl"],
+                [*final, "final/value/model.safetensors"])
+    if name == "rl_online_dpo":  # its own step; the reference copied from the policy every 2 steps
+        return [*rl, "algo=online_dpo", "ref_update_every=2"], ["metrics.jsonl", "samples.jsonl"], final
     raise KeyError(name)
 
 
@@ -109,7 +119,7 @@ def rows(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "kto", "distill_logit", "distill_on_policy", "distill_sequence",
-                                  "rs"])
+                                  "rs", "rl_grpo", "rl_ppo", "rl_online_dpo"])
 def test_a_killed_run_resumes_to_the_uninterrupted_run(tmp_path, teacher_dir, name):
     argv, logs, weights = case(name, tmp_path, teacher_dir)
     straight, cut = tmp_path / "straight", tmp_path / "cut"

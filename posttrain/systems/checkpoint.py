@@ -28,6 +28,11 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().contiguous().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+def all_weights(model) -> dict[str, torch.Tensor]:
+    """Every parameter, trained or frozen (an extra without an optimizer: online DPO's moving reference)."""
+    return {n: p.detach().contiguous().clone() for n, p in model.named_parameters()}
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():  # GPU generators (dropout, sampling on CUDA), one per device
@@ -45,7 +50,8 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int = 2,
                     extras: dict | None = None, dist_info=None) -> Path:
-    """`extras`: name -> (module, optimizer) saved beside the policy (PPO's value model). With `dist_info`
+    """`extras`: name -> (module, optimizer or None) saved beside the policy (PPO's value model and its optimizer;
+    a frozen module without one, e.g. online DPO's moving reference: all its weights). With `dist_info`
     (a sharded run) every rank calls this: the shards go to a distributed checkpoint."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step-{step}"
@@ -60,8 +66,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, state
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     for name, (module, opt) in (extras or {}).items():
-        save_file(trainable_state(module), tmp / f"{name}.safetensors")
-        torch.save(opt.state_dict(), tmp / f"{name}_optimizer.pt")
+        save_file(trainable_state(module) if opt is not None else all_weights(module), tmp / f"{name}.safetensors")
+        if opt is not None:
+            torch.save(opt.state_dict(), tmp / f"{name}_optimizer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -116,7 +123,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     for name, (module, opt) in (extras or {}).items():
         _load_weights(path / f"{name}.safetensors", module)
-        opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", weights_only=False))
+        if opt is not None:
+            opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", weights_only=False))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return json.loads((path / "state.json").read_text())
 

@@ -74,7 +74,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
                 device, info=info, critic=critic, measured=Measured(), eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
-    state = life.restore(model, optimizer, scheduler, extras=critic.extras() if critic is not None else None)
+    state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
     if state:
         run.sampler.load(state["sampler"])
         kl_ctl.value = state.get("beta", kl_ctl.value)

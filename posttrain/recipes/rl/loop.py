@@ -37,8 +37,7 @@ def reward_postfix(row: dict) -> dict:
 
 
 def checkpoint_args(run: RLRun) -> CheckpointArgs:
-    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run),
-                          extras=run.critic.extras() if run.critic is not None else None)
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run), extras=run.checkpoint_extras())
 
 
 def checkpoint_state(run: RLRun) -> dict:

@@ -94,6 +94,14 @@ class RLRun:
         """The KL coefficient in use (adaptive or fixed); 0 without a reference."""
         return self.kl_ctl.value if self.ref is not None else 0.0
 
+    def checkpoint_extras(self) -> dict | None:
+        """Modules a checkpoint keeps beside the policy: PPO's value model (with its optimizer), and online
+        DPO's reference once it follows the policy (`ref_update_every`: no longer the initial weights)."""
+        extras = dict(self.critic.extras()) if self.critic is not None else {}
+        if self.ref is not None and self.cfg.algo == "online_dpo" and self.cfg.ref_update_every:
+            extras["reference"] = (self.ref, None)
+        return extras or None
+
     @property
     def loss_beta(self) -> float:
         """β of the β·KL term in the policy loss: PPO folds the KL into the token rewards instead."""

@@ -371,7 +371,7 @@ def reward_metrics(items: list[GroupItem]) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- wiring into the RL recipe (setup.py)
+# ---------------------------------------------------------------- wiring into the RL recipe (build.py)
 
 
 class ProducerThread(threading.Thread):

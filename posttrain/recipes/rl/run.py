@@ -1,4 +1,4 @@
-"""What an RL step works on: `RLRun` (built once by setup.py) and `UpdateStats` (one update's statistics).
+"""What an RL step works on: `RLRun` (built once by build.py: setup) and `UpdateStats` (one update's statistics).
 
 `RLRun` holds the trained policy and everything around it; the modes of a run are objects chosen once
 in setup, never flags read inside the step:

@@ -13,7 +13,7 @@ GSPO, CISPO, RLOO, REINFORCE++). It reads top to bottom; the phase names are the
 
 Only generated tokens carry loss. Under torchrun each minibatch's micro-batches are shared among the
 ranks (`rank_share`: one process gets every micro-batch with weight 1) and the statistics merged once.
-Online DPO has its own step (online_dpo.py); setup.py builds the run, loop.py runs the steps.
+Online DPO has its own step (online_dpo.py); build.py sets the run up, loop.py runs the steps.
 """
 
 from __future__ import annotations

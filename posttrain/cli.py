@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from posttrain.errors import UserError
+
 # name -> ("module:function", one-line summary). The summaries are literal so that `posttrain --help` imports
 # nothing heavy; tests/test_cli.py checks that the rl and dpo lists name every preset and loss of the registries.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,8 +40,7 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from posttrain.config import ConfigError
-    from posttrain.errors import UserError
+    from posttrain.config import ConfigError  # pydantic: not needed for --help
 
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):

@@ -16,6 +16,7 @@ import json
 from posttrain.agentic.calculator import evaluate, format_value
 from posttrain.agentic.envs import CalculatorEnv
 from posttrain.agentic.formats import TemplateFormat, make_format
+from posttrain.data import tasks
 from posttrain.errors import UserError
 
 
@@ -34,8 +35,6 @@ def calculator_demo(fmt, env: CalculatorEnv, row: dict) -> dict:
 
 def demonstrations(tok, data: str = "multiply_3x2:300", seed: int = 1, tool_format: str = "auto") -> list[dict]:
     """Calculator demonstrations for the rows of a task (rows need `answer` and `a`, `b` or `expression`)."""
-    from posttrain.data import tasks
-
     env = CalculatorEnv()
     fmt = make_format(tok, env.tools, tool_format)
     if isinstance(fmt, TemplateFormat):
@@ -47,7 +46,7 @@ def demonstrations(tok, data: str = "multiply_3x2:300", seed: int = 1, tool_form
 
 def main(argv: list[str]) -> int:
     """python -m posttrain.agentic.demos MODEL DATA OUT.jsonl [SEED]"""
-    from posttrain.models.loading import load_tokenizer
+    from posttrain.models.loading import load_tokenizer  # torch: not imported with this module
 
     if len(argv) < 3:
         raise UserError("usage: python -m posttrain.agentic.demos MODEL multiply_3x2:300 demos.jsonl [seed]")

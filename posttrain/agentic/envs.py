@@ -18,6 +18,8 @@ from typing import Callable
 from posttrain.agentic.env import ENVS, Environment, ToolEnv, check_env_class, register_env
 from posttrain.agentic.tools import calculator_tool, python_tool, search_tool
 from posttrain.errors import UserError
+from posttrain.rewards.code import extract_code, run_sample
+from posttrain.rewards.pool import default_pool
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -80,9 +82,6 @@ class PythonCodeEnv(ToolEnv):
         return opening(row, self.system_prompt)
 
     def reward(self, episode) -> float | None:
-        from posttrain.rewards.code import extract_code, run_sample
-        from posttrain.rewards.pool import default_pool
-
         if episode.finish_reason != "answer":
             return 0.0
         job = (extract_code(episode.final_text), self._tests, self._stdio, {"wall_s": self.test_wall_s},
@@ -117,7 +116,7 @@ def load_env(spec: str, options: dict | None = None) -> Callable[[], Environment
     keyword arguments of the class. Errors name the file and class."""
     options = dict(options or {})
     if ".py:" in spec:
-        from posttrain.rewards.registry import _load_module
+        from posttrain.rewards.registry import _load_module  # the registry imports math-verify (slow)
 
         path_text, _, cls_name = spec.rpartition(":")
         try:

@@ -152,7 +152,7 @@ class _BatchDriver:
 
 
 def driver_for(backend):
-    from posttrain.rollout.engine import Engine
+    from posttrain.rollout.engine import Engine  # only for isinstance; an Engine caller has it loaded
 
     return _EngineDriver(backend) if isinstance(backend, Engine) else _BatchDriver(backend)
 

@@ -28,7 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from posttrain.agentic.calculator import evaluate, format_value
+from posttrain.agentic.search import MockSearch
 from posttrain.errors import UserError
+from posttrain.rewards.sandbox import Limits, Sandbox
 
 
 @dataclass
@@ -122,8 +125,6 @@ def execute(call: ToolCall, tools: dict[str, Tool], max_chars: int = 2000) -> To
 
 
 def calculator_tool(timeout_s: float = 2.0) -> Tool:
-    from posttrain.agentic.calculator import evaluate, format_value
-
     return Tool("calculator", "Evaluate an arithmetic expression (numbers, + - * / // % **, parentheses, sqrt).",
                 {"type": "object", "properties": {"expression": {"type": "string", "description": "e.g. 347 * 86"}},
                  "required": ["expression"]},
@@ -137,8 +138,6 @@ class PythonSandboxError(RuntimeError):
 def python_tool(wall_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, output_bytes: int = 4096,
                 nproc: int = 16, **sandbox_opts) -> Tool:
     """Run a program in the code verifier's sandbox and return its stdout (stderr's tail on failure)."""
-    from posttrain.rewards.sandbox import Limits, Sandbox
-
     sandbox = Sandbox(Limits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb, output_bytes=output_bytes, nproc=nproc),
                       **sandbox_opts)
 
@@ -160,8 +159,6 @@ def python_tool(wall_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 512, outpu
 
 
 def search_tool(documents, top_k: int = 3, snippet_chars: int = 200, timeout_s: float = 5.0) -> Tool:
-    from posttrain.agentic.search import MockSearch
-
     engine = MockSearch(documents, top_k, snippet_chars)
     return Tool("search", "Search the document collection; returns the best matching titles with snippets.",
                 {"type": "object", "properties": {"query": {"type": "string", "description": "search words"}},

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.data import tasks
 from posttrain.errors import DataError, UserError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -72,8 +73,6 @@ def _read_table(records: list[dict], source: str) -> list[Row]:
 
 def read_rows(source: str | Path) -> list[Row]:
     """Rows of a JSONL/JSON/Parquet file, an HF `datasets` folder (save_to_disk), or a built-in task."""
-    from posttrain.data import tasks
-
     name = str(source)
     if name in tasks.TASKS or name.split(":", 1)[0] in tasks.TASKS:
         return _read_table(tasks.generate(name), f"task:{name}")

@@ -31,6 +31,7 @@ from posttrain.eval.prompts import load_rows
 from posttrain.eval.report import metrics_table
 from posttrain.eval.results import print_metrics, summarize
 from posttrain.eval.runner import make_backend
+from posttrain.models.loading import load_tokenizer
 from posttrain.rollout.settings import SamplingSettings
 
 FORMAT = "posttrain.eval/1"
@@ -80,8 +81,6 @@ def item_values(rewards: list[float | None], threshold: float, ks: list[int]) ->
 
 
 def run_agent_eval(cfg: AgentEvalConfig) -> dict:
-    from posttrain.models.loading import load_tokenizer  # transformers: loaded when a run starts, not with the CLI
-
     ks = cfg.ks
     tok = load_tokenizer(cfg.model)
     rows = load_rows(cfg.data, cfg.max_items)

@@ -18,10 +18,16 @@ from pathlib import Path
 
 from posttrain.config import parse_args
 from posttrain.eval import protocol as P
+from posttrain.eval.agentic import main as agent_main
+from posttrain.eval.compare import main as compare_main
 from posttrain.eval.config import EvalConfig
+from posttrain.eval.contamination import main as contamination_main
 from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
+from posttrain.eval.report import write_eval_report
 from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize
 from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend
+from posttrain.models.loading import load_tokenizer
+from posttrain.rewards.pool import default_pool
 
 FORMAT = "posttrain.eval/1"
 
@@ -33,8 +39,7 @@ def default_reward(rows) -> str:
 
 def prepare(cfg: EvalConfig):
     """Data, reward, prompts: checked and rendered before any model loads. -> (items, reward_fn, spec, ex, shots, tok)"""
-    from posttrain.models.loading import load_tokenizer
-    from posttrain.rewards.registry import compose
+    from posttrain.rewards.registry import compose  # math-verify (slow): not for eval compare / contamination
 
     rows = load_rows(cfg.data, cfg.max_items)
     spec = cfg.reward or default_reward(rows)
@@ -63,9 +68,6 @@ def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: lis
 
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate; write results.json and report.html; return the results."""
-    from posttrain.eval.report import write_eval_report
-    from posttrain.rewards.pool import default_pool
-
     items, reward_fn, spec, ex, shots, tok = prepare(cfg)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -103,16 +105,10 @@ def print_summary(doc: dict, out_dir: str) -> None:
 
 def main(argv: list[str]) -> int | None:
     if argv and argv[0] == "compare":
-        from posttrain.eval.compare import main as compare_main
-
         return compare_main(argv[1:])
     if any(a.startswith("env=") for a in argv):  # multi-turn episodes with tools (posttrain/eval/agentic.py)
-        from posttrain.eval.agentic import main as agent_main
-
         return agent_main(argv)
     if argv and argv[0] == "contamination":
-        from posttrain.eval.contamination import main as contamination_main
-
         return contamination_main(argv[1:])
     cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_eval(cfg)

@@ -22,6 +22,7 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data.formats import read_rows
 from posttrain.errors import UserError
 
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
@@ -101,8 +102,6 @@ class ContaminationConfig(Config):
 
 
 def main(argv: list[str]) -> int:
-    from posttrain.data.formats import read_rows
-
     cfg = parse_args(ContaminationConfig, argv, prog="posttrain eval contamination")
     if not cfg.train or not cfg.eval:
         raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")

@@ -23,11 +23,13 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import Config
+from posttrain.data.formats import Row
 from posttrain.eval.config import parse_ks
 from posttrain.eval.prompts import build_items, check_columns, load_rows
 from posttrain.eval.results import item_values
 from posttrain.eval.runner import generate_and_score
 from posttrain.eval.stats import bootstrap_interval, clustered_wilson
+from posttrain.rewards.pool import default_pool
 from posttrain.rollout.settings import SamplingSettings
 
 
@@ -71,9 +73,6 @@ def evaluate(engine, tok, rows, reward_fn, n: int = 4, sampling: SamplingSetting
     `rows` are `formats.Row`s or plain dicts with `prompt` and the reward's columns."""
     import time
 
-    from posttrain.data.formats import Row
-    from posttrain.rewards.pool import default_pool
-
     rows = [r if isinstance(r, Row) else Row(dict(r), "eval", i + 1) for i, r in enumerate(rows)]
     items = build_items(tok, rows)
     t0 = time.perf_counter()
@@ -99,7 +98,7 @@ class EvalHook:
 
     def __init__(self, settings: EvalSettings, tok, recipe_reward=None, default_sampling: SamplingSettings | None = None,
                  eval_every: int = 0):
-        from posttrain.rewards.registry import compose
+        from posttrain.rewards.registry import compose  # math-verify (slow): only when a hook is built
 
         self.settings, self.tok = settings, tok
         self.backend = None  # a recipe without an engine of its own may keep the one it builds for evaluation here

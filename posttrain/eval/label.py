@@ -32,10 +32,12 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
-from posttrain.data.formats import completion_text
+from posttrain.data.formats import completion_text, load, read_rows
+from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.judge.client import Judge, JudgeSettings, PairVerdict
 from posttrain.rollout.settings import SamplingSettings
+from posttrain.rollout.types import Request
 
 
 class LabelConfig(Config):
@@ -61,8 +63,6 @@ class LabelConfig(Config):
 
 def read_samples(path: str, n_prompts: int) -> dict[int, dict[int, str]]:
     """prompt_index -> sample_index -> text, from a `posttrain generate` file (its error lines are skipped)."""
-    from posttrain.data.formats import read_rows
-
     out: dict[int, dict[int, str]] = {}
     for row in read_rows(path):
         d = row.data
@@ -83,10 +83,8 @@ def read_samples(path: str, n_prompts: int) -> dict[int, dict[int, str]]:
 
 def sample_policy(model_name: str, prompts: list, n: int, cfg: LabelConfig) -> dict[int, dict[int, str]]:
     """n samples per prompt from `model_name` with the built-in engine."""
-    from posttrain.data.templates import render_prompt
-    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.models.loading import load_model, load_tokenizer  # torch: only when the policy is sampled
     from posttrain.rollout.engine import Engine, EngineConfig
-    from posttrain.rollout.types import Request
 
     tok = load_tokenizer(model_name)
     model = load_model(model_name, dtype=cfg.dtype, device=cfg.device).eval()
@@ -168,7 +166,7 @@ def two_policies(cfg: LabelConfig) -> bool:
 def win_rates(pairs: list, verdicts: list[PairVerdict]) -> dict | None:
     """A's raw and length-controlled win rate over B (AlpacaEval 2 style, posttrain.eval.winrate) from the
     labelled pairs; failed pairs are left out, identical ones were skipped before judging."""
-    from posttrain.eval.winrate import lc_win_rate
+    from posttrain.eval.winrate import lc_win_rate  # numpy
 
     done = [(p, v) for p, v in zip(pairs, verdicts) if v.preference is not None]
     if len(done) < 2:
@@ -178,8 +176,7 @@ def win_rates(pairs: list, verdicts: list[PairVerdict]) -> dict | None:
 
 def label(cfg: LabelConfig) -> dict:
     """Judge the pairs and write them; returns the summary."""
-    from posttrain.data.formats import load
-    from posttrain.eval.winrate import agreement
+    from posttrain.eval.winrate import agreement  # numpy
 
     if not cfg.data:
         raise UserError("data: give a prompts .jsonl (or preference rows to relabel)")

@@ -122,7 +122,7 @@ def group_answers(answers: list[str | None], same) -> list[int | None]:
 def cluster_answers(answers: list[str | None], use_math_verify: bool = True) -> list[int | None]:
     """Pool-worker task: answer classes under the math verifier's equivalence (unbounded in time,
     like the verifier itself: run it through `posttrain.rewards.pool`)."""
-    from posttrain.rewards.math import _norm, equivalent
+    from posttrain.rewards.math import _norm, equivalent  # math-verify (slow), in the pool's worker only
 
     normed = [None if a is None else _norm(a) for a in answers]
     return group_answers(normed, lambda rep, a: equivalent(rep, a, use_math_verify))

@@ -34,7 +34,7 @@ def data_hash(rows: list[dict]) -> str:
 def model_hash(name: str, seed: int = 0) -> str:
     """sha256 of a model folder's config and weight files (names and bytes); a built-in tiny random
     model is identified by its name and seed; a Hub id by its name (the cache may hold several revisions)."""
-    from posttrain.models.loading import resolve
+    from posttrain.models.loading import resolve  # torch: this module stays torch-free
 
     path = resolve(name)
     if path is None:

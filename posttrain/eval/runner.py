@@ -24,6 +24,8 @@ from posttrain.data.formats import completion_text
 from posttrain.eval.metrics import cluster_answers, group_answers
 from posttrain.eval.prompts import Item
 from posttrain.rewards import extract
+from posttrain.rollout.cli import GenerateConfig
+from posttrain.rollout.cli import make_backend as generate_backend
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request, RequestOutput
 
@@ -116,7 +118,7 @@ def score_outputs(reward_fn, pairs: list[tuple[ItemResult, RequestOutput]], thre
 
 def _cluster(results: list[ItemResult], ex: dict, pool) -> int:
     """Answer classes per item, in the verifier's pool; string equality where that fails."""
-    from posttrain.rewards.math import _norm
+    from posttrain.rewards.math import _norm  # math-verify (slow)
 
     answers = [[s.answer for s in r.samples] for r in results]
     jobs = [(a, ex["use_math_verify"]) for a in answers]
@@ -182,7 +184,7 @@ def requests_for(items: list[Item], sampling: SamplingSettings, n: int, seed: in
 def generate_and_score(backend, items: list[Item], reward_fn, sampling: SamplingSettings, n: int, seed: int,
                        threshold: float = 1.0, ex: dict | None = None, pool=None) -> tuple[list[ItemResult], dict]:
     """Sample n completions of every item and verify them; returns per-item results and timing."""
-    from posttrain.rollout.engine import Engine
+    from posttrain.rollout.engine import Engine  # torch: this module stays torch-free
 
     results = [ItemResult(it) for it in items]
     requests = requests_for(items, sampling, n, seed)
@@ -212,10 +214,7 @@ def generate_and_score(backend, items: list[Item], reward_fn, sampling: Sampling
 
 def make_backend(cfg):
     """The generation backend an eval config names (backend, dtype, device, engine sizes): rollout.cli's builder."""
-    from posttrain.rollout.cli import GenerateConfig
-    from posttrain.rollout.cli import make_backend as build
-
     gen = GenerateConfig(model=cfg.model, backend=cfg.backend, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
                          max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb)
-    backend, _ = build(gen, cfg.model)
+    backend, _ = generate_backend(gen, cfg.model)
     return backend

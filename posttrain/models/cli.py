@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from posttrain.errors import UserError
 from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, real_model_dir
+from posttrain.models.fetch import fetch
 
 
 def main(argv: list[str]) -> None:
@@ -16,8 +17,6 @@ def main(argv: list[str]) -> None:
         print(f"{'org/name':24s} a Hugging Face Hub id: loaded from the HF cache (also offline), or downloaded when the Hub is reachable")
         return
     if argv[0] == "fetch" and len(argv) >= 2:
-        from posttrain.models.fetch import fetch
-
         fetch(argv[1], force="--force" in argv[2:])
         return
     raise UserError("usage: posttrain models [list] | posttrain models fetch NAME [--force]")

@@ -16,6 +16,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, TINY_TOKENIZER, build_tiny, real_model_dir
 from posttrain.models.device import resolve_device
+from posttrain.ops.attention import install
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -126,7 +127,5 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     if device is not None:
         model = model.to(resolve_device(device))
     if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
-        from posttrain.ops.attention import install
-
         model.set_attn_implementation(install())
     return model

@@ -21,6 +21,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.models.forward import hidden_states, unwrap
 from posttrain.models.loading import load_model, resolve, to_dtype
+from posttrain.ops.attention import install
 
 
 def is_reward_model(path: str | Path) -> bool:
@@ -75,8 +76,6 @@ def load_reward_model(name: str, dtype: str | torch.dtype = "float32", seed: int
     if device is not None:
         model = model.to(device)
     if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
-        from posttrain.ops.attention import install
-
         model.set_attn_implementation(install())
     return model
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from posttrain.models.forward import hidden_states, unwrap
+from posttrain.ops.attention import install
 
 
 class ValueModel(nn.Module):
@@ -69,8 +70,6 @@ def value_model_from_policy(policy: nn.Module) -> ValueModel:
 def value_model_from_reward_model(path: str, device, dtype=torch.float32) -> ValueModel:
     """From a folder saved by `AutoModelForSequenceClassification` (num_labels = 1): backbone + score head."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from posttrain.ops.attention import install
 
     clf = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
     if clf.config.num_labels != 1:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.monitor.dashboard import plot_dashboard
 from posttrain.monitor.metrics import read_metrics
 
 # plotted first, in this order, when present; every other numeric metric follows
@@ -67,7 +68,6 @@ def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, 
     """Write run_dir/report.html: the grid of grouped training plots (monitor/dashboard.py), the summary
     sections as tables, then `images` (PNG files in run_dir, e.g. a probe's plots), then one plot per metric."""
     run_dir = Path(run_dir)
-    from posttrain.monitor.dashboard import plot_dashboard
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     grid = plot_dashboard(rows, run_dir / "dashboard.png")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from posttrain import algos
+from posttrain.algos.presets import RL_PRESETS
 from posttrain.plan.methods import method_table
 
 
@@ -20,9 +22,7 @@ def main(argv: list[str]) -> None:
 
 def registries() -> list[tuple[str, list[str]]]:
     """The public registries users extend (`posttrain.algos.*`, `posttrain.rewards.registry`), as they are now."""
-    from posttrain import algos
-    from posttrain.algos.presets import RL_PRESETS
-    from posttrain.rewards import registry as rewards
+    from posttrain.rewards import registry as rewards  # math-verify (slow): not for the table
 
     return [
         ("rl algos", list(RL_PRESETS)),

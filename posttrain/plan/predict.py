@@ -18,8 +18,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from posttrain.errors import UserError
+from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, real_model_dir, tiny_config
 from posttrain.plan import arch as archmod
-from posttrain.plan import cost, methods
+from posttrain.plan import cost, cpu, methods
 from posttrain.plan.arch import Arch
 from posttrain.plan.config import PlanConfig
 
@@ -44,7 +45,6 @@ def resolve_model(spec: Any, key: str = "model") -> ModelSpec:
     text = str(spec).strip()
     if not text:
         raise UserError(f"{key}: empty")
-    from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, real_model_dir, tiny_config
 
     if text in TINY_CONFIGS:  # the same config `posttrain.models.builtin.build_tiny` instantiates
         a = archmod.from_config(tiny_config(text, vocab_size=1024), name=text)
@@ -294,8 +294,6 @@ def _distill_cache(cfg: PlanConfig, mode: str, vocab: int | None, teacher_params
 def _add_hardware(out: dict, cfg: PlanConfig, flops_per_step: float, flops_per_token: float, memory: float) -> None:
     peak, device_memory = cfg.peak_flops, cfg.device_memory
     if cfg.hardware is not None and cfg.hardware.lower() == "cpu":  # this machine, measured (plan/cpu.py)
-        from posttrain.plan import cpu
-
         compute = cfg.compute_dtype or cfg.dtype
         peak = peak or cpu.measured_peak_flops(compute)
         device_memory = device_memory or cpu.physical_memory()

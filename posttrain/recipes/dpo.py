@@ -49,7 +49,7 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes.length_probe import LengthProbe, LengthProbeSettings
-from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, sequence_logps
+from posttrain.recipes.reference_cache import ReferenceCache, fingerprint, reference_mode, sequence_logps
 from posttrain.systems import dist as ranks  # `dist` is torch.distributed in Meter.reduce
 from posttrain.systems import fsdp
 from posttrain.training import run as training_run
@@ -421,7 +421,6 @@ def setup_probe(run: DPORun, state: dict) -> None:
     if run.reference_length is None:
         if state and not cfg.lora.enabled:
             raise UserError("the checkpoint has no reference length and the reference weights are gone")
-        from posttrain.recipes.reference_cache import reference_mode
 
         with reference_mode(run.model):
             run.reference_length = run.probe.measure()

@@ -33,11 +33,11 @@ class LengthProbe:
         self.prompts = prompts[: settings.prompts]
         longest = max(len(p) for p in self.prompts) + settings.max_new_tokens
         if lora:
-            from posttrain.rollout.hf_backend import HFBackend
+            from posttrain.rollout.hf_backend import HFBackend  # torch: this module stays torch-free
 
             self.backend, self.engine = HFBackend(model, tok, seed=seed), None
         else:
-            from posttrain.rollout.engine import Engine, EngineConfig
+            from posttrain.rollout.engine import Engine, EngineConfig  # torch
 
             self.engine = Engine(model, tok, EngineConfig(max_num_seqs=len(self.prompts), max_model_len=longest,
                                                           kv_cache_mb=256, seed=seed))

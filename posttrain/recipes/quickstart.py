@@ -21,7 +21,10 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.eval.cli import run_eval
+from posttrain.eval.compare import compare, print_comparison
 from posttrain.eval.config import EvalConfig
+from posttrain.monitor.quickstart_report import machine, write_quickstart_report
 from posttrain.recipes import rl as rl_recipe
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -44,8 +47,6 @@ def clock(seconds: float) -> str:
 
 def run_eval_stage(cfg: EvalConfig, model: str, out: Path, label: str) -> dict:
     """`posttrain eval` with the quickstart's protocol; a finished result with the same config is reused."""
-    from posttrain.eval.cli import run_eval
-
     stage = cfg.model_copy(update={"model": model, "output_dir": str(out)})
     key = stage.model_dump(mode="json")
     marker = out / "quickstart_stage.json"
@@ -105,9 +106,6 @@ def run_rl_stage(cfg: rl_recipe.RLConfig, eval_s: float) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    from posttrain.eval.compare import compare, print_comparison
-    from posttrain.monitor.quickstart_report import machine, write_quickstart_report
-
     args = ["--config", str(CONFIG)] if CONFIG.is_file() else []
     cfg = parse_args(QuickstartConfig, [*args, *argv], prog="posttrain quickstart")
     out = Path(cfg.output_dir)

@@ -34,6 +34,7 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
+from posttrain.recipes import rm_probe
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.loop import CheckpointArgs, run_loop
@@ -217,8 +218,6 @@ def train(cfg: RMConfig) -> dict:
 
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "probe":
-        from posttrain.recipes import rm_probe
-
         return rm_probe.main(argv[1:])
     cfg = parse_args(RMConfig, argv, prog="posttrain rm")
     summary = train(cfg)

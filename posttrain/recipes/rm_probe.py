@@ -23,10 +23,13 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data import formats
 from posttrain.data.formats import completion_text
 from posttrain.data.preference import Pair, load_pairs
+from posttrain.data.templates import render_prompt
 from posttrain.rewards import probe_stats as st
 from posttrain.rollout.settings import SamplingSettings
+from posttrain.rollout.types import Request
 
 
 class ProbeConfig(Config):
@@ -90,13 +93,10 @@ def adversarial(scorer, pairs: list[Pair], base: list[float]) -> dict:
 
 def bon_sweep(scorer, cfg: ProbeConfig, pairs: list[Pair]) -> dict:
     """Best-of-N over `bon_n` samples per prompt: expected RM reward, length (and gold) of the pick."""
-    from posttrain.data import formats
-    from posttrain.data.templates import render_prompt
-    from posttrain.models.device import resolve_device
+    from posttrain.models.device import resolve_device  # torch, math-verify: this module stays light
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.rewards.registry import compose
     from posttrain.rollout.engine import Engine, EngineConfig
-    from posttrain.rollout.types import Request
 
     if cfg.prompts:
         rows = [r.data for r in formats.load(cfg.prompts, allowed=("prompt_only", "prompt_completion"))[0]]
@@ -178,7 +178,7 @@ def plots(out: Path, res: dict) -> list[str]:
 
 
 def probe(cfg: ProbeConfig) -> dict:
-    from posttrain.monitor.report import write_report
+    from posttrain.monitor.report import write_report  # torch, matplotlib
     from posttrain.rewards.reward_model import RewardModelScorer
 
     pairs = load_pairs(cfg.data)[: cfg.max_pairs]  # refused before any model loads

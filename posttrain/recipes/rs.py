@@ -34,11 +34,13 @@ from posttrain.config import Config, ReportTo, parse_args, report_to_field
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
+from posttrain.models.device import resolve_device
+from posttrain.models.loading import load_tokenizer
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
-from posttrain.rollout.engine import EngineConfig
+from posttrain.rollout.engine import Engine, EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
 from posttrain.training.lifecycle import RunLifecycle
@@ -230,9 +232,7 @@ def sft_config(cfg: RSConfig, model: str, data: Path, out: Path, n_rows: int) ->
 
 def draw(run: RSRun, model_path: str, seed: int) -> list[list[Sample]]:
     """Load `model_path`, sample N per prompt, free the model (SFT loads its own copy)."""
-    from posttrain.models.device import resolve_device
-    from posttrain.models.loading import load_model
-    from posttrain.rollout.engine import Engine
+    from posttrain.models.loading import load_model  # looked up at call time: tests replace posttrain.models.loading.load_model
 
     cfg = run.cfg
     model = load_model(model_path, dtype=cfg.dtype, seed=cfg.seed).to(resolve_device(cfg.device)).eval()
@@ -294,8 +294,7 @@ def log_samples(run: RSRun, r: int, kept: list[list[Sample]]) -> None:
 
 def setup(cfg: RSConfig) -> RSRun:
     """Data, reward and the run directory, checked before any model loads."""
-    from posttrain.models.loading import load_tokenizer
-    from posttrain.rewards.build import build_reward
+    from posttrain.rewards.build import build_reward  # math-verify (slow)
 
     out = Path(cfg.output_dir)
     if not cfg.resume and any(out.glob("round-*/round.json")):

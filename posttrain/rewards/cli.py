@@ -19,7 +19,9 @@ from typing import Any
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data.formats import read_rows
 from posttrain.errors import DataError, UserError
+from posttrain.rewards.pool import default_pool
 
 
 class ScoreConfig(Config):
@@ -36,8 +38,6 @@ class ScoreConfig(Config):
 
 def _read_rows(path: str) -> list[dict]:
     """Rows of the input file (any format `posttrain.data.formats.read_rows` reads), tagged with their row number."""
-    from posttrain.data.formats import read_rows
-
     rows = [dict(r.data, __line__=r.number) for r in read_rows(path)]
     if not rows:
         raise UserError(f"{path}: no rows")
@@ -64,8 +64,7 @@ def _validate(path: str, rows: list[dict], needs: dict[str, tuple]) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from posttrain.rewards import registry
-    from posttrain.rewards.pool import default_pool
+    from posttrain.rewards import registry  # math-verify (slow): not for --help
 
     cfg = parse_args(ScoreConfig, argv, prog="posttrain score")
     if cfg.list:

@@ -111,7 +111,7 @@ class JudgeReward:
         if self.opts.check:
             self.judge.connect()
         if self.opts.cache == "auto":
-            from posttrain.models.builtin import cache_dir
+            from posttrain.models.builtin import cache_dir  # torch: this module stays torch-free
 
             self.cache = VerdictCache(cache_dir() / "judge_cache.sqlite")
         else:

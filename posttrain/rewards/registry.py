@@ -62,7 +62,7 @@ def get(name: str) -> RewardSpec:
     if name in _FILE_REWARDS:
         return _FILE_REWARDS[name]
     if name.startswith("rm:"):  # a trained reward-model folder: rm:PATH (rewards/reward_model.py)
-        from posttrain.rewards.reward_model import reward_model_spec
+        from posttrain.rewards.reward_model import reward_model_spec  # torch, transformers
 
         return reward_model_spec(name)
     close = difflib.get_close_matches(name, list(REGISTRY), n=1)
@@ -103,7 +103,7 @@ def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:
 def _split_weight(part: str) -> tuple[str, str]:
     """'math:0.5' -> ('math', '0.5'); 'dir/my.py:fn:0.5' -> ('dir/my.py:fn', '0.5')."""
     if part.startswith("rm:"):  # 'rm:runs/rm/final:0.5' -> ('rm:runs/rm/final', '0.5')
-        from posttrain.rewards.reward_model import split_weight
+        from posttrain.rewards.reward_model import split_weight  # torch, transformers
 
         return split_weight(part)
     ref = _file_ref(part)

@@ -17,7 +17,12 @@ from pathlib import Path
 
 import torch
 
+from posttrain.data.preference import render_sequences
+from posttrain.data.prefix_batch import micro_batches
 from posttrain.errors import UserError
+from posttrain.models.device import resolve_device
+from posttrain.models.loading import load_tokenizer
+from posttrain.models.reward_head import is_reward_model, load_reward_model, sequence_rewards
 from posttrain.rewards.base import RewardSpec
 
 PREFIX = "rm:"
@@ -26,8 +31,6 @@ PREFIX = "rm:"
 class RewardModelScorer:
     def __init__(self, path: str, device: str = "auto", batch_tokens: int = 8192, mixed_precision: str = "none",
                  dtype: str = "float32"):
-        from posttrain.models.reward_head import is_reward_model
-
         if not Path(path).is_dir():
             raise UserError(f"reward model folder not found: {path} (train one with `posttrain rm`)")
         if not is_reward_model(path):
@@ -40,18 +43,12 @@ class RewardModelScorer:
         self.last_metrics: dict = {}
 
     def load(self) -> None:
-        from posttrain.models.device import resolve_device
-        from posttrain.models.loading import load_tokenizer
-        from posttrain.models.reward_head import load_reward_model
-
         self.tok = load_tokenizer(self.path)
         self.model = load_reward_model(self.path, dtype=self.dtype, device=resolve_device(self.device)).eval()
         self.model.requires_grad_(False)
 
     def groups(self, prompts: list, completions: list) -> tuple[list, list[list[int]]]:
         """Prompt groups (consecutive equal prompts) for prefix_batch, and the sample indices of each."""
-        from posttrain.data.preference import render_sequences
-
         runs: list[list[int]] = []
         for i, p in enumerate(prompts):
             if runs and prompts[runs[-1][0]] == p:
@@ -66,9 +63,6 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **columns) -> list[float]:
-        from posttrain.data.prefix_batch import micro_batches
-        from posttrain.models.reward_head import sequence_rewards
-
         if prompts is None or any(p is None for p in prompts):
             raise UserError(f"reward '{self.__name__}' scores prompt + completion: the data needs a `prompt` column")
         if self.model is None:

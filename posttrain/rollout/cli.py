@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
+from posttrain.data import formats
 from posttrain.errors import UserError
 from posttrain.rollout.types import Request, SamplingParams
 
@@ -43,8 +44,6 @@ class GenerateConfig(Config):
 def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
     """(token ids of every `prompt`, the rows): a string prompt becomes one user turn and the chat template
     adds the generation header; the rows' other columns (e.g. `answer`) travel to the output for `score`."""
-    from posttrain.data import formats
-
     rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
     prompts = []
     for row in rows:
@@ -55,10 +54,10 @@ def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
 
 
 def make_backend(cfg: GenerateConfig, model_name: str):
-    from posttrain.models.loading import load_model, load_tokenizer, resolve
+    from posttrain.models.loading import load_model, load_tokenizer, resolve  # torch: not for --help
 
     if cfg.backend == "vllm":
-        from posttrain.rollout.vllm_backend import VLLMBackend
+        from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] extra
 
         path = resolve(model_name)
         if path is None:

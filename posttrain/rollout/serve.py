@@ -34,6 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from posttrain.config import Config, parse_args
+from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.rollout.types import Request, RequestOutput, SamplingParams
 
@@ -194,8 +195,6 @@ def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_toke
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
 
-    from posttrain.data.templates import render_prompt
-
     app = FastAPI(title="posttrain serve")
 
     @app.exception_handler(RequestValidationError)
@@ -323,7 +322,7 @@ class ServerThread:
 
 
 def build_worker(cfg: ServeConfig):
-    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.models.loading import load_model, load_tokenizer  # torch: not for --help
     from posttrain.rollout.engine import Engine, EngineConfig
 
     tok = load_tokenizer(cfg.model)

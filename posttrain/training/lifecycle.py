@@ -20,17 +20,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from posttrain.models.forward import unwrap
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.report import write_report
 from posttrain.monitor.sinks import open_sinks
 from posttrain.systems.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
+from posttrain.systems.dist import DistInfo, barrier
+from posttrain.systems.fsdp import save_full
 from posttrain.training.run import setup_run
 
 
 class RunLifecycle:
     def __init__(self, cfg, dist_info=None):
-        from posttrain.systems.dist import DistInfo, barrier
-
         self.cfg = cfg
         self.info = dist_info or DistInfo()
         existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
@@ -102,9 +103,6 @@ class RunLifecycle:
         A sharded model is gathered (every rank) and written by rank 0."""
         path = self.out / "final"
         if self.sharded:
-            from posttrain.systems.dist import barrier
-            from posttrain.systems.fsdp import save_full
-
             save_full(model, tok, path, self.info)
             barrier(self.info)
             return path
@@ -113,7 +111,6 @@ class RunLifecycle:
             model.save_pretrained(path / "adapter")
             tok.save_pretrained(path / "adapter")
             model = model.merge_and_unload()
-        from posttrain.models.forward import unwrap
 
         unwrap(model).save_pretrained(path)
         tok.save_pretrained(path)

@@ -11,6 +11,9 @@ import copy
 import json
 from pathlib import Path
 
+from posttrain.models.forward import unwrap
+from posttrain.plan import predict
+from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured
 
 
@@ -24,10 +27,6 @@ def predict_run(cfg, model, method: str, *, steps: int, hardware: bool = True, *
     its architecture, `cfg.dtype`, at least one step, the LoRA rank when `cfg` has LoRA settings, the
     recipes' chunked lm_head (no full logit copies) and, with `hardware`, this machine's measured speed
     (plan.cpu.run_hardware). `keys`: the method's own planner keys (batch, seq_len, micro_batch, ...)."""
-    from posttrain.models.forward import unwrap
-    from posttrain.plan import predict
-    from posttrain.plan.cpu import run_hardware
-
     common = {"dtype": plan_dtype(cfg.dtype), "steps": max(steps, 1), "logit_copies": 0}
     lora = getattr(cfg, "lora", None)
     if lora is not None:

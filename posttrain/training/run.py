@@ -12,6 +12,7 @@ import torch
 
 from posttrain.config import save_yaml
 from posttrain.errors import UserError
+from posttrain.systems.dist import init_from_env
 
 
 def setup_run(cfg, resume: bool, write: bool = True) -> Path:
@@ -43,8 +44,6 @@ def init_ranks(refusals=(), hint: str = ""):
     """torchrun's ranks (world size 1 without torchrun). Under torchrun, refuses the first of `refusals`,
     (on, what) pairs naming what a sharded run cannot do yet, that is on: "what: not supported under torchrun
     yet (world size W)", then `hint`."""
-    from posttrain.systems.dist import init_from_env
-
     info = init_from_env()
     if info.world > 1:
         for on, what in refusals:

@@ -24,8 +24,13 @@ import torch
 from posttrain.algos import distill_losses
 from posttrain.data.packing import IGNORE, collate
 from posttrain.errors import UserError
+from posttrain.models.device import resolve_device
+from posttrain.models.forward import backbone_and_head, unwrap
 from posttrain.monitor.metrics import PhaseTimer
+from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_plan
+from posttrain.plan.predict import resolve_model
+from posttrain.recipes import sft
 from posttrain.recipes.distill import cache as cache_mod
 from posttrain.recipes.distill.config import DistillConfig, sft_settings
 from posttrain.recipes.distill.teacher import (
@@ -77,7 +82,7 @@ def cache_path(cfg: DistillConfig, samples) -> Path:
 
 def ensure_cache(cfg: DistillConfig, samples, pad_id: int, device) -> tuple[cache_mod.TeacherCache, dict]:
     """Open the cache of this teacher and data, or load the teacher once and build it."""
-    from posttrain.models.loading import load_model
+    from posttrain.models.loading import load_model  # looked up at call time: tests replace posttrain.models.loading.load_model
 
     path = cache_path(cfg, samples)
     cache = cache_mod.open_cache(path)
@@ -95,9 +100,7 @@ def ensure_cache(cfg: DistillConfig, samples, pad_id: int, device) -> tuple[cach
 
 def setup(cfg: DistillConfig) -> LogitRun:
     """Tokenizers checked, data tokenized, cache opened or built: all before the student loads."""
-    from posttrain.models.device import resolve_device
-    from posttrain.models.loading import load_model
-    from posttrain.recipes import sft
+    from posttrain.models.loading import load_model  # looked up at call time: tests replace posttrain.models.loading.load_model
 
     device = resolve_device(cfg.device)
     tok, _ = load_checked_tokenizers(cfg)
@@ -140,8 +143,6 @@ def logit_token_losses(cfg: DistillConfig, logits: torch.Tensor, targets: torch.
 
 def logit_micro_batch(run: LogitRun, units: list, n_loss: int) -> dict:
     """Forward/backward of one micro-batch: its exact share of the step's token-mean loss. -> metric sums."""
-    from posttrain.models.forward import backbone_and_head
-
     cfg = run.cfg
     batch = collate(units, run.tok.pad_token_id, cfg.packing, cfg.pad_to_multiple_of).to(run.device)
     rows = run.cache.rows_of([run.index[id(s)] for u in units for s in u])
@@ -211,10 +212,6 @@ def train(cfg: DistillConfig) -> dict:
 
 def plan_run(run: LogitRun) -> dict:
     """The planner's prediction with the cache this run uses, and the exact tokens of its data plan."""
-    from posttrain.models.forward import unwrap
-    from posttrain.plan import predict
-    from posttrain.plan.predict import resolve_model
-
     cfg, cache = run.cfg, run.cache
     steps = max(cfg.max_steps - run.life.start, 1)
     per_step = planned_tokens(run.sampler, steps, cfg.batch_size, [sum(len(s) for s in u) for u in run.units])

@@ -5,20 +5,17 @@ from __future__ import annotations
 import time
 
 from posttrain.config import parse_args
+from posttrain.recipes.distill import logit, sequence
 from posttrain.recipes.distill.config import DistillConfig
 
 
 def train(cfg: DistillConfig) -> dict:
     """Run the distillation `cfg.mode` says; returns its summary."""
     if cfg.mode == "logit":
-        from posttrain.recipes.distill import logit
-
         return logit.train(cfg)
     if cfg.mode == "sequence":
-        from posttrain.recipes.distill import sequence
-
         return sequence.train(cfg)
-    from posttrain.recipes.distill import on_policy  # registers the reward "none"
+    from posttrain.recipes.distill import on_policy  # here: importing it registers the reward "none"
 
     return on_policy.train(cfg)
 

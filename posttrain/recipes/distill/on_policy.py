@@ -32,7 +32,11 @@ import torch
 
 from posttrain.algos import distill_losses
 from posttrain.config import save_yaml
-from posttrain.models.forward import backbone_and_head
+from posttrain.data.templates import render_prompt
+from posttrain.models.forward import backbone_and_head, unwrap
+from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.ops.sampling import trainer_logprobs
+from posttrain.plan import predict
 from posttrain.plan.measure import write_plan
 from posttrain.recipes import rl
 from posttrain.recipes.distill.config import NO_REWARD, DistillConfig
@@ -79,7 +83,7 @@ def rl_settings(cfg: DistillConfig) -> rl.RLConfig:
 
 def setup(cfg: DistillConfig) -> OnPolicyRun:
     """Tokenizers checked first; then the RL recipe's setup (data, reward, student, engine, resume); the teacher."""
-    from posttrain.models.loading import load_model
+    from posttrain.models.loading import load_model  # looked up at call time: tests replace posttrain.models.loading.load_model
 
     load_checked_tokenizers(cfg)  # refuses a tokenizer mismatch before any model loads
     run = rl.setup(rl_settings(cfg))
@@ -169,9 +173,6 @@ def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict, rl_metrics
     """w·L_RL of the micro-batch: the algorithm's policy loss on the reward's advantages, log-probs of the
     sampling distribution (temperature, kept set) from the same hidden states. -> (loss, {}); the policy
     loss's metrics go to `rl_metrics`."""
-    from posttrain.ops.logprobs import chunked_logprobs
-    from posttrain.ops.sampling import trainer_logprobs
-
     r, temp = run.rl, run.rl.cfg.sampling.temperature
     if b.kept is not None and bool((b.kept > 0).any()):
         logp, _ = trainer_logprobs(head_logits(head, hd), b.targets, temp, kept=b.kept)
@@ -223,10 +224,6 @@ def finish(run: OnPolicyRun) -> dict:
 def plan_run(run: OnPolicyRun) -> dict:
     """The planner's prediction (student generates, teacher scores, student trains); tokens assume every
     sample runs to max_new_tokens, as the RL recipe's plan does."""
-    from posttrain.data.templates import render_prompt
-    from posttrain.models.forward import unwrap
-    from posttrain.plan import predict
-
     cfg, r = run.cfg, run.rl
     prompt_len = round(sum(len(render_prompt(r.tok, row.data["prompt"])) for row in r.rows) / len(r.rows))
     student = unwrap(r.model).config

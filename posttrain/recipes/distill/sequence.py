@@ -25,12 +25,17 @@ import time
 from pathlib import Path
 
 from posttrain.data import formats
+from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
+from posttrain.models.loading import load_tokenizer
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes import rs
+from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.distill.config import NO_REWARD, DistillConfig, sft_settings
 from posttrain.recipes.distill.teacher import teacher_spec, write_distill_measured
+from posttrain.rewards.build import build_reward
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.plan import plan_dtype
 from posttrain.training.settings import derive
@@ -83,11 +88,6 @@ def teacher_data(cfg: DistillConfig, run: rs.RSRun, prompt_tokens: list[int], ti
 
 
 def train(cfg: DistillConfig) -> dict:
-    from posttrain.data.templates import render_prompt
-    from posttrain.models.loading import load_tokenizer
-    from posttrain.recipes import sft as sft_recipe
-    from posttrain.rewards.build import build_reward
-
     rs_cfg = rs_settings(cfg)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     reward_fn = (build_reward(rs_cfg.reward, rs_cfg.reward_args, rows, rs_cfg.sampling.max_new_tokens)
@@ -122,8 +122,6 @@ def train(cfg: DistillConfig) -> dict:
 def plan_run(cfg: DistillConfig, n_prompts: int, prompt_tokens: list[int]) -> dict:
     """The teacher's generation over every prompt × n (as one step; tokens assume max_new_tokens each) and
     the student's SFT on what it writes (its own plan.json in sft/)."""
-    from posttrain.plan import predict
-
     try:
         return predict(cfg.model, "distill", mode="sequence", teacher=teacher_spec(cfg.teacher, cfg.model),
                        batch=n_prompts * cfg.n, seq_len=cfg.sampling.max_new_tokens,

@@ -22,7 +22,9 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.models.forward import backbone_and_head, hidden_states
+from posttrain.models.loading import load_tokenizer, resolve
 from posttrain.plan.measure import Measured, write_measured
+from posttrain.plan.predict import resolve_model
 
 # ---------------------------------------------------------------- tokenizers
 
@@ -72,8 +74,6 @@ def check_same_vocab_size(student_model, teacher_model, student: str, teacher: s
 
 def load_checked_tokenizers(cfg):
     """(student tokenizer, teacher tokenizer) of a DistillConfig; logit and on-policy modes refuse different vocabularies."""
-    from posttrain.models.loading import load_tokenizer
-
     tok, teacher_tok = load_tokenizer(cfg.model), load_tokenizer(cfg.teacher)
     if cfg.mode != "sequence":
         check_same_tokenizer(tok, teacher_tok, cfg.model, cfg.teacher, cfg.mode)
@@ -86,8 +86,6 @@ def load_checked_tokenizers(cfg):
 def teacher_fingerprint(name: str, seed: int) -> str:
     """Hash of what determines the teacher's outputs: a folder's config, weight and adapter files
     (content), a built-in tiny model's name and seed, or a Hub id's name."""
-    from posttrain.models.loading import resolve
-
     path = resolve(name)
     h = hashlib.sha256()
     if path is None:  # tiny random: the seed decides the weights
@@ -168,8 +166,6 @@ def chunked_backward(h: torch.Tensor, head, loss_of_chunk, chunk: int, whole=Non
 def teacher_spec(teacher: str, student_config):
     """What the planner reads for the teacher: its name or folder, or (a PEFT adapter folder, whose size is its
     base's) the student's config."""
-    from posttrain.plan.predict import resolve_model
-
     try:
         resolve_model(teacher, "teacher")
         return teacher

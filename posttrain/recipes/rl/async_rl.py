@@ -37,8 +37,10 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.models.forward import unwrap
+from posttrain.models.loading import resolve
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.rollout import sampled_plan_inputs
+from posttrain.rollout.engine import Engine
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.training.data_order import EpochSampler
 
@@ -410,8 +412,6 @@ class TrainerEngine:
         self._stale = True
 
     def generate(self, requests, **kw):
-        from posttrain.rollout.engine import Engine
-
         if self._engine is None:
             self._engine, self._stale = Engine(unwrap(self.model), self.tok, self.config), False
         if self._stale:
@@ -489,12 +489,9 @@ class StepAdapter:
 def rollout_engine(run):
     """The producer's engine on its own copy of the policy; rows for (k + 1) rounds decode together.
     systems.rollout_backend=vllm: a vLLM engine on the GPU (posttrain[vllm]) behind StepAdapter."""
-    from posttrain.rollout.engine import Engine
-
     cfg = run.cfg
     if cfg.systems.rollout_backend == "vllm":
-        from posttrain.models.loading import resolve
-        from posttrain.rollout.vllm_backend import VLLMBackend
+        from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] extra
 
         path = resolve(cfg.model)
         if path is None:

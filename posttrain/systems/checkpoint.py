@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from posttrain.errors import UserError
+from posttrain.systems.dist import barrier
+from posttrain.systems.fsdp import load_dcp, save_dcp
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:
@@ -81,9 +83,6 @@ def _save_sharded(run_dir: Path, final: Path, tmp: Path, model, optimizer, sched
                   info, extras: dict | None = None) -> Path:
     """Rank 0 writes scheduler, RNG and (last, after every rank's shards) state.json, then renames.
     `extras` (PPO's value model and its optimizer) go to their own distributed checkpoints, <name>/."""
-    from posttrain.systems.dist import barrier
-    from posttrain.systems.fsdp import save_dcp
-
     if info.main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -130,8 +129,6 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None
 
 
 def _load_sharded(path: Path, model, optimizer, scheduler, extras: dict | None) -> dict:
-    from posttrain.systems.fsdp import load_dcp
-
     for name, (module, opt) in (extras or {}).items():
         if not (path / name / "state.json").is_file():
             raise UserError(f"{path}: this distributed checkpoint holds no {name} model")

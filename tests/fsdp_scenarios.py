@@ -1,5 +1,5 @@
-"""FSDP2 equivalence scenarios on the tiny model: W ranks vs 1 rank on the same global batch (SFT steps,
-posttrain/recipes/sft_sharded.py over posttrain/systems/fsdp.py), and a distributed checkpoint written at
+"""FSDP2 equivalence scenarios on the tiny model: W ranks vs 1 rank on the same global batch (the SFT recipe's
+update, posttrain/recipes/sft.py::accumulate_gradients, over posttrain/systems/fsdp.py), and a distributed checkpoint written at
 W ranks resumed at 1. tests/test_fsdp.py runs them in 2 spawned gloo processes; alone:
 
     torchrun --nproc_per_node 2 tests/fsdp_scenarios.py [DIR]      # gloo on CPU, NCCL on GPUs
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from posttrain.recipes.sft_sharded import sft_step
+from posttrain.recipes.sft import accumulate_gradients
 from posttrain.systems.dist import DistInfo, init_from_env
 from posttrain.systems.fsdp import Sharded, full_state, load_dcp, save_dcp, shard_model
+from posttrain.training.optim import optimizer_step
 
 STEPS = 3  # steps 1-2, checkpoint, step 3
 LR = 0.1
@@ -48,10 +49,16 @@ def sft_batches(tok) -> list:
     return [collate([[s]], tok.pad_token_id, False, 8) for s in samples]
 
 
+def sft_step(model, optimizer, batches: list, info: DistInfo) -> dict:
+    """One SFT optimizer step as the recipe takes it (its update path, sharded or not)."""
+    loss = accumulate_gradients(model, batches, info=info)
+    return {"loss": loss, "grad_norm": float(optimizer_step(model, optimizer, max_grad_norm=1.0))}
+
+
 def _run(info: DistInfo, model, optimizer, tok, steps: range, ckpt: Path | None = None) -> dict:
     losses, norms = [], []
     for step in steps:
-        m = sft_step(model, optimizer, sft_batches(tok), info, max_grad_norm=1.0)
+        m = sft_step(model, optimizer, sft_batches(tok), info)
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
         if ckpt is not None and step == STEPS - 2:

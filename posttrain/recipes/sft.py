@@ -8,7 +8,7 @@ Per optimizer step:
     5. log      metrics.jsonl (+ eval loss, held-out pass@1 with `eval_tasks`, samples, checkpoints at their intervals)
 
 Under `torchrun --nproc-per-node W -m posttrain sft …` the model is sharded with FSDP2 and each rank runs
-its share of the step's micro-batches (posttrain/recipes/sft_sharded.py: same loss and update as one process on
+its share of the step's micro-batches (accumulate_gradients: same loss and update as one process on
 the same global batch); checkpoints are distributed (DCP) and resume at any world size.
 """
 
@@ -34,7 +34,6 @@ from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
-from posttrain.recipes import sft_sharded
 from posttrain.systems import dist, fsdp
 from posttrain.training import run as training_run
 from posttrain.training.data_order import EpochSampler
@@ -143,14 +142,11 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info:
     total, count = 0.0, 0
     device = next(model.parameters()).device
     batches = micro_batches([[s] for s in samples], cfg.micro_batch_size, pad_id, packed=False, device=device)
-    if info is not None and info.world > 1:
-        nll = sft_sharded.mean_nll(model, batches, info, cfg.logit_chunk, cfg.mixed_precision)
-        model.train()
-        return nll
-    for b in batches:
-        logp, _ = token_logprobs(model, b, chunk=cfg.logit_chunk, mixed_precision=cfg.mixed_precision)
-        total += -logp.sum().item()
-        count += logp.numel()
+    info = info or dist.DistInfo()
+    for b, w in dist.rank_share(batches, info):  # one process: every batch, weight 1
+        logp, _ = fsdp.apply(model, token_logprobs, b, chunk=cfg.logit_chunk, mixed_precision=cfg.mixed_precision)
+        total, count = total - w * float(logp.sum()), count + w * logp.numel()
+    total, count = dist.global_sum([total, count], info)  # every rank ran the same number of forwards
     model.train()
     return total / max(count, 1)
 
@@ -197,35 +193,35 @@ def write_samples(model, tok, convs: list[list[dict]], step: int, path: Path, ma
 # ---------------------------------------------------------------- training
 
 
-def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_precision: str = "none") -> torch.Tensor:
+def accumulate_gradients(model, batches: list[Batch], chunk: int = 1024, mixed_precision: str = "none",
+                         info: dist.DistInfo | None = None) -> float:
     """Backward of −Σ log p / N over all micro-batches, N = loss tokens of the whole step.
 
     Dividing by the step's token count (not each micro-batch's) makes accumulation over any split
-    give exactly the gradient of one large batch. Returns the step loss (detached).
-    """
-    n_loss = sum(b.num_loss_tokens for b in batches)
+    give exactly the gradient of one large batch. Under torchrun each rank backpropagates its share of
+    the micro-batches (`rank_share`: one process gets every one with weight 1; weight-0 padding keeps the
+    ranks in step) and N is summed over the ranks once, so W ranks take the step one process takes.
+    Returns the step loss (summed over ranks)."""
+    info = info or dist.DistInfo()
+    local = dist.rank_share(batches, info)
+    (n_loss,) = dist.global_sum([sum(b.num_loss_tokens for b, w in local if w)], info)  # the one reduction
+    scale = getattr(model, "loss_scale", 1.0)  # sharded: FSDP averages gradients over ranks, W x is a sum
     total = torch.zeros((), device=batches[0].input_ids.device)
-    for b in batches:
-        logp, _ = token_logprobs(model, b, chunk=chunk, mixed_precision=mixed_precision)
-        loss = -logp.sum() / n_loss
-        loss.backward()
+    for b, w in local:
+        logp, _ = fsdp.apply(model, token_logprobs, b, chunk=chunk, mixed_precision=mixed_precision)
+        loss = -logp.sum() / n_loss * w
+        (loss * scale).backward()
         total += loss.detach()
-    return total
+    (loss_sum,) = dist.global_sum([float(total)], info)  # for the log only
+    return loss_sum
 
 
 def sft_update(model, optimizer, scheduler, batches: list[Batch], cfg: SFTConfig, info: dist.DistInfo,
-               timer: PhaseTimer) -> tuple[float, float]:
-    """Steps 2-4: forward + backward normalised over the whole step, clip, AdamW, schedule.
-    Sharded (W ranks): this rank's share of the micro-batches, the token count reduced once."""
-    if info.world > 1:
-        with timer("forward_backward_update"):
-            out = sft_sharded.sft_step(model, optimizer, batches, info, cfg.optim.max_grad_norm, cfg.logit_chunk,
-                                       cfg.mixed_precision)
-            scheduler.step()
-            synchronize(batches[0].input_ids.device)
-        return out["loss"], out["grad_norm"]
+               timer: PhaseTimer) -> tuple[float, torch.Tensor]:
+    """Steps 2-4: forward + backward normalised over the whole step (this rank's share under torchrun),
+    clip, AdamW, schedule."""
     with timer("forward_backward"):
-        loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision)
+        loss_sum = accumulate_gradients(model, batches, cfg.logit_chunk, cfg.mixed_precision, info)
     with timer("update"):
         grad_norm = optimizer_step(model, optimizer, cfg.optim.max_grad_norm, scheduler)
         synchronize(batches[0].input_ids.device)  # CUDA runs asynchronously: the step's kernels finish inside its timing

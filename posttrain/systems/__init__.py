@@ -8,5 +8,6 @@
 - `faults`: fault injection for the restart tests (POSTTRAIN_FAIL_AT)
 
 The rule: mechanisms only. Nothing here imports a recipe or `posttrain.training` (both sit above this
-layer); a recipe's sharded step lives with its recipe (recipes/sft_sharded.py, recipes/rl/sharded.py).
+layer); a recipe's sharded step is its one step (rank_share hands one process every micro-batch;
+recipes/sft.py, recipes/rl/step.py and recipes/rl/sharded.py).
 """

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
 from posttrain.data.formats import Row
@@ -27,9 +28,19 @@ from posttrain.recipes.rl.phases import TokenMeans
 from posttrain.recipes.rl.ppo import Critic
 from posttrain.rewards.registry import ComposedReward
 from posttrain.rollout.trajectory import Trajectory
+from posttrain.rollout.types import Request, RequestOutput
 from posttrain.systems.dist import DistInfo
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
+
+
+class Sampler(Protocol):
+    """What samples from the policy (evaluation, synchronous sources): the built-in engine's interface."""
+
+    def generate(self, requests: list[Request], **kwargs) -> list[RequestOutput]: ...
+
+    def sync_weights(self) -> None:
+        """The policy's weights changed in place: drop packed copies and cached KV."""
 
 
 class Rollout(Protocol):
@@ -64,12 +75,12 @@ class RLRun:
 
     cfg: RLConfig
     life: RunLifecycle
-    tok: object  # a transformers tokenizer
+    tok: PreTrainedTokenizerBase
     rows: list[Row]
     reward_fn: ComposedReward | None  # None with env= (the environment scores its episodes)
     model: torch.nn.Module  # the trained policy (under torchrun: its FSDP root)
     ref: torch.nn.Module | None  # frozen π_ref; None when no reference is needed (β = 0)
-    engine: object  # what samples from the policy: rollout.engine.Engine, or async_rl.TrainerEngine
+    engine: Sampler  # rollout.engine.Engine over the policy's weights, or async_rl.TrainerEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: EpochSampler  # the data order (its position is checkpointed)

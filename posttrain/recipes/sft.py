@@ -29,11 +29,13 @@ from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
 from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
-from posttrain.models.forward import token_logprobs
+from posttrain.models.forward import token_logprobs, unwrap
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
+from posttrain.rollout.engine import Engine, EngineConfig
+from posttrain.rollout.hf_backend import HFBackend
 from posttrain.systems import dist, fsdp
 from posttrain.training import run as training_run
 from posttrain.training.data_order import EpochSampler
@@ -156,13 +158,8 @@ def task_eval(hook: EvalHook, model, tok, cfg: SFTConfig, step: int) -> dict:
     The engine is built on first use and shares the weights; LoRA runs sample through HF generate."""
     if hook.backend is None:
         if cfg.lora.enabled:
-            from posttrain.rollout.hf_backend import HFBackend
-
             hook.backend = HFBackend(model, tok, seed=cfg.seed)
         else:
-            from posttrain.models.forward import unwrap
-            from posttrain.rollout.engine import Engine, EngineConfig
-
             seqs = min(64, len(hook.rows) * hook.settings.n)
             hook.backend = Engine(unwrap(model), tok, EngineConfig(max_num_seqs=seqs, kv_cache_mb=256, seed=cfg.seed))
     model.eval()

@@ -101,6 +101,16 @@ def test_hostile_program_never_passes(name):
         assert _procs_of_uid(r.isolation["uid"], live_only=True) == [], "processes of the sandbox uid survived"
 
 
+@pytest.mark.parametrize("patch", ["__main__._SPAWN = ()", "__main__._SPAWN = ('nothing',)",
+                                   "import builtins\nbuiltins.isinstance = lambda *a: False\nbuiltins.any = lambda *a: False"])
+def test_the_audit_hook_ignores_patched_globals(patch):
+    """The hook binds what it reads when it is built: rebinding the harness's globals or builtins first does not
+    let os.system through (it did before: `__main__._SPAWN = ()` printed SPAWNED)."""
+    r = SB.run_program(f"import __main__, os\n{patch}\nos.system('echo SPAWNED')\n", "")
+    assert "SPAWNED" not in r.stdout, r
+    assert "not allowed" in r.stderr, r
+
+
 def test_hostile_corpus_is_large_enough():
     assert len(HOSTILE) >= 20
 

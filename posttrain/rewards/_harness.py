@@ -171,9 +171,15 @@ _PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "o
 
 # C901: one flat dispatch on the audit event, kept in one closure like _make_strict_eq: module-level helpers
 # would be more globals the solution could patch (`import __main__`).
-def _make_hook(workdir, allow_spawn):  # noqa: C901
-    realpath, fspath, getpid = os.path.realpath, os.fspath, os.getpid
-    prefix = realpath(workdir) + os.sep
+def _make_hook(workdir, allow_spawn, *, isinstance=isinstance, len=len, str=str, any=any, bytes=bytes, int=int,  # noqa: C901
+               Exception=Exception, PermissionError=PermissionError, ValueError=ValueError, spawn=_SPAWN,
+               introspect=_INTROSPECT, code_attrs=_CODE_ATTRS, path_events=_PATH_EVENTS,
+               realpath=os.path.realpath, fspath=os.fspath, getpid=os.getpid, sep=os.sep,
+               write_flags=os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+    """The audit hook, with every name it uses bound now (like `_make_strict_eq`): a solution that
+    rebinds this module's globals (`import __main__; __main__._SPAWN = ()`), `os.*` or builtins
+    cannot change what the hook refuses."""
+    prefix = realpath(workdir) + sep
 
     def inside(p):
         try:
@@ -182,7 +188,7 @@ def _make_hook(workdir, allow_spawn):  # noqa: C901
                 p = p.decode("utf-8", "replace")
             if isinstance(p, int):
                 return True
-            return (realpath(p) + os.sep).startswith(prefix)
+            return (realpath(p) + sep).startswith(prefix)
         except Exception:
             return False
 
@@ -195,23 +201,23 @@ def _make_hook(workdir, allow_spawn):  # noqa: C901
             p = p.decode("utf-8", "replace") if isinstance(p, bytes) else p
             if p.startswith("/proc") and not p.startswith(("/proc/self/stat", "/proc/self/maps")):
                 raise PermissionError(f"sandbox: reading {p} is not allowed")
-            writing = (mode and any(c in str(mode) for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            writing = (mode and any(c in str(mode) for c in "wax+")) or (flags & write_flags)
             if writing and not inside(p):
                 raise PermissionError(f"sandbox: writing outside the work dir is not allowed: {p}")
         elif event == "sys._getframe":  # the stdlib callers (namedtuple, enum, typing) catch ValueError
             raise ValueError("sandbox: frame introspection is not available")
-        elif event.startswith(("socket.", "ctypes.", "_ctypes.")) or event in _INTROSPECT:
+        elif event.startswith(("socket.", "ctypes.", "_ctypes.")) or event in introspect:
             raise PermissionError(f"sandbox: {event} is not allowed")
-        elif event.startswith(_SPAWN) and not allow_spawn:
+        elif event.startswith(spawn) and not allow_spawn:
             raise PermissionError(f"sandbox: {event} is not allowed")
         elif event in ("os.kill", "os.killpg", "signal.pthread_kill"):
             if event != "os.kill" or args[0] not in (0, getpid()):
                 raise PermissionError(f"sandbox: {event} to another process is not allowed")
-        elif event == "object.__getattr__" and len(args) > 1 and args[1] in _CODE_ATTRS:
+        elif event == "object.__getattr__" and len(args) > 1 and args[1] in code_attrs:
             raise PermissionError(f"sandbox: reading {args[1]} is not allowed")
         elif event == "object.__setattr__" and len(args) > 1 and args[1] in ("__code__",):
             raise PermissionError("sandbox: replacing code objects is not allowed")
-        elif event in _PATH_EVENTS and args and not inside(args[0]):
+        elif event in path_events and args and not inside(args[0]):
             raise PermissionError(f"sandbox: {event} outside the work dir is not allowed")
 
     return hook

@@ -169,6 +169,11 @@ def reference_logps(ref, batches: list[RLBatch], cfg) -> None:
 # ---------------------------------------------------------------- update
 
 
+def minibatches(batches: list[RLBatch], n: int) -> list[list[RLBatch]]:
+    """The batch split in `n` minibatches of whole micro-batches (round robin)."""
+    return [batches[i::n] for i in range(min(n, len(batches)))]
+
+
 class TokenMeans:
     """Loss metrics averaged over loss tokens across micro-batches (a micro-batch's mean weighs by its
     tokens); `/min` and `/max` metrics take the extreme instead."""

@@ -89,9 +89,8 @@ def merge_reward_metrics(parts: list[tuple[dict, dict]]) -> dict:
 
 def my_batches(batches: list, minibatches: int, info: DistInfo) -> list:
     """The micro-batches this rank computes in `update` (its share of each minibatch, padding included)."""
-    groups = [batches[i::minibatches] for i in range(min(minibatches, len(batches)))]
     seen, out = set(), []
-    for mb in groups:
+    for mb in ph.minibatches(batches, minibatches):
         for b, _ in rank_share(mb, info):
             if id(b) not in seen:
                 seen.add(id(b))

@@ -57,11 +57,6 @@ def rl_step(run: RLRun, step: int) -> dict:
     return log_step(run, step, trajs, t0, {**collect_metrics, **adv_metrics, **update_metrics, "skipped": 0})
 
 
-def minibatches(batches: list[RLBatch], n: int) -> list[list[RLBatch]]:
-    """The batch split in `n` minibatches of whole micro-batches (round robin)."""
-    return [batches[i::n] for i in range(min(n, len(batches)))]
-
-
 def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dict:
     """ppo_epochs passes of ppo_minibatches optimizer steps; the first pass's first forward is
     on-policy (old = current, no recomputation). PPO also trains the value model on the same batches;
@@ -70,7 +65,7 @@ def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dic
     stats = UpdateStats()
     lr, beta = run.scheduler.get_last_lr()[0], run.beta
     for epoch in range(cfg.epochs):
-        for mb in minibatches(batches, cfg.minibatches):
+        for mb in ph.minibatches(batches, cfg.minibatches):
             norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
                      "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
             for b, w in rank_share(mb, run.info):  # one process: every micro-batch, weight 1

@@ -14,6 +14,10 @@ import torch
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TINY_TOKENIZER = ASSETS / "tiny-tokenizer"
 
+# The shared shape of the tiny models: 2 layers, hidden 64, 4 query heads over 2 KV heads.
+_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6)
+
 # name -> transformers config kwargs (model_type picks the architecture)
 TINY_CONFIGS: dict[str, dict] = {
     "tiny-random": dict(
@@ -25,6 +29,28 @@ TINY_CONFIGS: dict[str, dict] = {
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ),
+    # One tiny config per family people post-train; each keeps its family's distinctive parts small
+    # enough to be exercised by short prompts (sliding windows of 16 tokens, alternating layer types).
+    "tiny-random-mistral": dict(
+        model_type="mistral", **_SHAPE, tie_word_embeddings=False, sliding_window=16,
+    ),
+    "tiny-random-qwen3": dict(  # per-head q/k RMSNorm
+        model_type="qwen3", **_SHAPE, head_dim=16, tie_word_embeddings=True,
+    ),
+    "tiny-random-gemma2": dict(  # sliding/global layers, attention and final logit soft-capping, sqrt(h) embedding scale
+        model_type="gemma2", **_SHAPE, tie_word_embeddings=False, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+    ),
+    "tiny-random-gemma3": dict(  # q/k norm, local/global rope bases, sliding/global layers
+        model_type="gemma3_text", **_SHAPE, tie_word_embeddings=False, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "tiny-random-phi3": dict(  # fused qkv_proj and gate_up_proj
+        model_type="phi3", **_SHAPE, tie_word_embeddings=False,
+    ),
+    "tiny-random-olmo2": dict(  # norms after attention and MLP, q/k norm over all heads
+        model_type="olmo2", **_SHAPE, tie_word_embeddings=False,
     ),
 }
 

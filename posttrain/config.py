@@ -82,10 +82,31 @@ def parse_report_to(value: Any) -> str:
 ReportTo = Annotated[str, BeforeValidator(parse_report_to)]
 
 
+MODEL_HELP = ("HF folder, built-in name (smollm2-135m-instruct, tiny-random[-qwen2|-mistral|-qwen3|-gemma2|-gemma3|-phi3|-olmo2]) "
+              "or Hub id (org/name, from the HF cache or downloaded)")
+
+# generation backends (posttrain/rollout/backends.py): the same key and meaning in every recipe that samples
+BACKENDS = ("auto", "builtin", "hf", "vllm")
+BACKEND_HELP = ("generation backend: auto (builtin when its engine runs the architecture, else hf; says which) | "
+                "builtin (posttrain's engine) | hf (transformers generate: any model, slower) | vllm (the optional extra)")
+
+
+def backend_field(default: str = "auto") -> Any:
+    return Field(default, pattern="^(" + "|".join(BACKENDS) + ")$", description=BACKEND_HELP)
+
+
+CHAT_TEMPLATE_HELP = ("chat template for conversational data: '' = the tokenizer's own; a built-in name (chatml, plain) "
+                      "or a .jinja file; needed by base models whose tokenizer has none")
+
+
+def chat_template_field() -> Any:
+    return Field("", description=CHAT_TEMPLATE_HELP)
+
+
 class CommonConfig(Config):
     """Keys every recipe shares."""
 
-    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name, from the HF cache or downloaded)")
+    model: str = Field("tiny-random", description=MODEL_HELP)
     data: str = Field("", description="dataset: .jsonl/.parquet file, HF datasets folder, or built-in task name")
     output_dir: str = Field("runs/run", description="run directory (config.yaml, metrics.jsonl, checkpoints/, final/, report.html)")
     max_steps: int = Field(100, ge=0, description="optimizer steps to run")
@@ -96,6 +117,9 @@ class CommonConfig(Config):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="auto (cuda if a GPU is visible, else cpu) | cpu | cuda | cuda:N")
     report_to: ReportTo = report_to_field()
+    backend: str = backend_field()
+    chat_template: str = chat_template_field()
+    gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in backward: less memory, about one more forward of compute")
 
 
 # ---------------------------------------------------------------- keys, help, suggestions

@@ -80,14 +80,9 @@ class SlowEngine:
 
     def __init__(self):
         self.active, self.batch_sizes = [], []
-        engine = self
 
-        class scheduler:
-            @staticmethod
-            def has_work():
-                return bool(engine.active)
-
-        self.scheduler = scheduler
+    def has_work(self):
+        return bool(self.active)
 
     def add_request(self, request, index=0):
         from types import SimpleNamespace
@@ -149,10 +144,9 @@ def test_a_broken_engine_fails_its_callers_not_the_server(served):
     from posttrain.rollout.serve import EngineWorker
 
     class Exploding:
-        class scheduler:
-            @staticmethod
-            def has_work():
-                return True
+        @staticmethod
+        def has_work():
+            return True
 
         def add_request(self, request, index=0):
             class S:

@@ -33,7 +33,7 @@ from typing import Any
 
 from posttrain.data import formats
 from posttrain.data.formats import Row
-from posttrain.data.templates import TemplateError, Tokenized, render_prompt_completion
+from posttrain.data.templates import TemplateError, Tokenized, check_template, render_prompt_completion
 from posttrain.errors import UserError
 
 PAIRED = ("preference", "implicit_preference")
@@ -289,6 +289,7 @@ def load_split(tok, data: str, eval_data: str = "", eval_fraction: float = 0.0, 
     `unpair_train` (KTO): training pairs become unpaired examples; held-out pairs stay pairs, so the
     preference accuracy is measured the same way for every loss."""
     examples = load_preference(data, unpaired_ok)
+    check_template(tok, [e.row for e in examples])
     if eval_data:
         train, held = examples, load_preference(eval_data, unpaired_ok)
     else:

@@ -121,3 +121,62 @@ def render_row(tok, data: dict, fmt: str) -> Tokenized:
     if fmt == "prompt_completion":
         return render_prompt_completion(tok, data["prompt"], data["completion"])
     raise TemplateError(f"format '{fmt}' has no SFT rendering")
+
+
+# ---------------------------------------------------------------- templates for tokenizers without one
+
+# Built-in chat templates (`chat_template=<name>`). chatml: the <|im_start|>role ... <|im_end|> layout many
+# instruct models use (the markers are plain text to a tokenizer that lacks them as special tokens).
+# plain: "User: ...\nAssistant: ..." lines, what a base model continues most naturally.
+BUILTIN_TEMPLATES = {
+    "chatml": (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
+    "plain": (
+        "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}{{ eos_token if m['role'] == 'assistant' else '' }}\n"
+        "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+    ),
+}
+
+
+def set_chat_template(tok, option: str) -> None:
+    """Apply `chat_template=` to a tokenizer: '' keeps its own; a built-in name or a .jinja file replaces it."""
+    from pathlib import Path
+
+    from posttrain.errors import UserError
+
+    if not option:
+        return
+    if option in BUILTIN_TEMPLATES:
+        tok.chat_template = BUILTIN_TEMPLATES[option]
+        return
+    path = Path(option)
+    if not path.is_file():
+        raise UserError(f"chat_template={option!r}: neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                        "nor a template file")
+    tok.chat_template = path.read_text(encoding="utf-8")
+
+
+def has_template(tok) -> bool:
+    return bool(getattr(tok, "chat_template", None))
+
+
+CONVERSATIONAL_FIELDS = ("messages", "prompt", "completion", "chosen", "rejected")
+
+
+def check_template(tok, rows) -> None:
+    """Refuse conversational rows (a `messages` list, or a prompt/completion given as turns) when the tokenizer
+    has no chat template, naming the fix; string prompts on such a tokenizer are plain text and pass."""
+    from posttrain.errors import UserError
+
+    if has_template(tok):
+        return
+    for row in rows:
+        data = row.data if hasattr(row, "data") else row
+        field = next((f for f in CONVERSATIONAL_FIELDS if isinstance(data.get(f), list)), None)
+        if field is not None:
+            where = f"{row.source} row {row.number}" if hasattr(row, "source") else "the data"
+            raise UserError(f"{where}: field '{field}' is a conversation, but the tokenizer has no chat template "
+                            f"(a base model?): give chat_template=chatml, chat_template=plain or chat_template=path/to/template.jinja, "
+                            "or use string prompts (rendered as plain text)")

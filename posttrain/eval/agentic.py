@@ -22,7 +22,7 @@ from pydantic import Field
 from posttrain.agentic.episodes import episode_metrics, render_episode, setup_agent
 from posttrain.agentic.rollout import new_episodes, run_episodes
 from posttrain.agentic.settings import AgentSettings
-from posttrain.config import Config, parse_args
+from posttrain.config import Config, backend_field, parse_args
 from posttrain.errors import UserError
 from posttrain.eval import metrics as M
 from posttrain.eval import protocol as P
@@ -45,7 +45,7 @@ class AgentEvalConfig(Config):
     env_args: dict = Field(default_factory=dict, description="keyword arguments of the environment class")
     data: str = Field("multiply_3x2:100", description="task or .jsonl the environment starts episodes from (`prompt` + its columns)")
     output_dir: str = Field("runs/eval", description="where results.json and report.html go")
-    backend: str = Field("builtin", pattern="^(builtin|hf)$", description="builtin (episodes overlap tool time with decoding) | hf")
+    backend: str = backend_field()
     n: int = Field(1, ge=1, description="episodes per problem")
     k: list[int] = Field(default_factory=list, description="k for pass@k and pass^k (default 1, 2, 4, … up to n)")
     threshold: float = Field(1.0, description="an episode succeeds when its reward >= threshold")

@@ -25,7 +25,7 @@ from posttrain.eval.contamination import main as contamination_main
 from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
 from posttrain.eval.report import write_eval_report
 from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize
-from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend
+from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend, template_file
 from posttrain.models.loading import load_tokenizer
 from posttrain.rewards.pool import default_pool
 
@@ -47,8 +47,8 @@ def prepare(cfg: EvalConfig):
     check_columns(rows, reward_fn.columns)
     ex = extraction_settings(reward_fn.parts, cfg.reward_args)
     shots = few_shot_messages(cfg.few_shot)
-    tok = load_tokenizer(cfg.model)
-    items = build_items(tok, rows, cfg.system_prompt, shots, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, template_file(cfg.chat_template))
+    items = build_items(tok, rows, cfg.system_prompt, shots, cfg.chat_template != "none")
     return items, reward_fn, spec, ex, shots, tok
 
 
@@ -57,7 +57,7 @@ def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: lis
     return {
         "model": {"name": cfg.model, "sha256": P.model_hash(cfg.model)},
         "data": {"source": cfg.data, "hash": P.data_hash([it.data for it in items]), "items": len(items), "max_items": cfg.max_items},
-        "chat_template": {"applied": cfg.chat_template, "sha256": P.sha256_text(template), "text": template},
+        "chat_template": {"applied": items[0].messages is not None, "sha256": P.sha256_text(template), "text": template},
         "system_prompt": cfg.system_prompt, "few_shot": shots, "example_prompt": items[0].prompt_text,
         "sampling": cfg.sampling.model_dump(mode="json"), "n": cfg.n, "ks": cfg.ks, "seed": cfg.seed,
         "reward": {"spec": spec, "args": cfg.reward_args, "threshold": cfg.threshold},
@@ -75,6 +75,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     pool = default_pool(cfg.workers)
     t_load = time.perf_counter()
     backend = make_backend(cfg)
+    proto["backend"] = getattr(backend, "name", cfg.backend)  # what `auto` picked
     load_s = time.perf_counter() - t_load
     results, timing = generate_and_score(backend, items, reward_fn, cfg.sampling, cfg.n, cfg.seed, cfg.threshold, ex, pool)
     values = [item_values(r, cfg.n, cfg.ks, ex is not None, cfg.max_subsets, cfg.seed) for r in results]

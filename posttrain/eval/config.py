@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from typing import Annotated
 
-from posttrain.config import Config
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+
+from posttrain.config import Config, backend_field
 from posttrain.rollout.settings import SamplingSettings
 
 
@@ -34,6 +36,15 @@ def default_ks(n: int) -> list[int]:
     return sorted(set(ks + [n]))
 
 
+def _template_option(value):
+    """chat_template=true/false (the older boolean form) -> '' / 'none'."""
+    if isinstance(value, bool):
+        return "" if value else "none"
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return "" if value.lower() == "true" else "none"
+    return value
+
+
 class EvalConfig(Config):
     """posttrain eval: sample n completions per problem, verify them, report pass@k, cons@k, pass^k and
     mean@n with intervals, and the full protocol (results.json, report.html)."""
@@ -41,7 +52,7 @@ class EvalConfig(Config):
     model: str = Field("tiny-random", description="HF folder (e.g. runs/rl/final), built-in name or Hub id")
     data: str = Field("single_digit_add:all", description="task (single_digit_add:all, arithmetic:200, humaneval_mini:all) or .jsonl with `prompt` + `answer` | `tests` | `stdio`")
     output_dir: str = Field("runs/eval", description="where results.json and report.html go")
-    backend: str = Field("builtin", pattern="^(builtin|hf|vllm)$", description="builtin (this engine; the verifier scores while it generates), hf (transformers generate), vllm (GPU)")
+    backend: str = backend_field()
     n: int = Field(1, ge=1, description="samples per problem (pass@k needs n >= k)")
     k: list[int] = Field(default_factory=list, description="k values for pass@k, pass^k and cons@k, e.g. k=1,2,4 (default: 1, 2, 4, … up to n)")
     reward: str = Field("", description="verifier or composition (math, code, 'math:1.0,format:0.2', my.py:fn); empty: code when rows have tests/stdio, else math")
@@ -49,7 +60,9 @@ class EvalConfig(Config):
     threshold: float = Field(1.0, description="a sample counts as correct when its reward >= threshold")
     system_prompt: str = Field("", description="system message put before every prompt (recorded in the protocol)")
     few_shot: str = Field("", description="file of example exchanges (messages, or prompt + completion/answer) put before every prompt")
-    chat_template: bool = Field(True, description="render prompts with the tokenizer's chat template (false: string prompts as plain text)")
+    chat_template: Annotated[str, BeforeValidator(_template_option)] = Field(
+        "", description="'' = the tokenizer's chat template (a tokenizer without one: string prompts as plain text); "
+                        "none (or false) = string prompts as plain text; a built-in name (chatml, plain) or a .jinja file")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     seed: int = Field(0, description="sampling seed: problem i uses seed + i (as `posttrain generate`), sample j stream j")
     max_items: int = Field(0, ge=0, description="evaluate the first N problems only (0: all)")

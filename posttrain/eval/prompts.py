@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from posttrain.data import formats
+from posttrain.data.templates import check_template, has_template
 from posttrain.errors import UserError
 
 EVAL_FORMATS = ("prompt_only", "prompt_completion")
@@ -84,9 +85,13 @@ def conversation(row: formats.Row, system_prompt: str, shots: list[dict]) -> lis
 
 def build_items(tok, rows: list[formats.Row], system_prompt: str = "", shots: list[dict] | None = None,
                 chat_template: bool = True) -> list[Item]:
-    """Render every row's prompt; refuse rows that cannot be rendered, naming them."""
+    """Render every row's prompt; refuse rows that cannot be rendered, naming them. `chat_template` False, or a
+    tokenizer without a template (a base model): string prompts as plain text, conversations refused."""
     shots = shots or []
     items = []
+    if chat_template and not has_template(tok):
+        check_template(tok, rows)
+        chat_template = False
     for i, row in enumerate(rows):
         ident = str(row.data.get("id", row.number))
         if chat_template:
@@ -98,9 +103,9 @@ def build_items(tok, rows: list[formats.Row], system_prompt: str = "", shots: li
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             if not isinstance(row.data["prompt"], str):
-                raise row.error("prompt", "chat_template=false needs plain string prompts")
+                raise row.error("prompt", "chat_template=none needs plain string prompts")
             if system_prompt or shots:
-                raise UserError("system_prompt and few_shot need the chat template (chat_template=true)")
+                raise UserError("system_prompt and few_shot need a chat template (the tokenizer's, or chat_template=chatml|plain|file)")
             msgs, text = None, row.data["prompt"]
             ids = tok(text)["input_ids"]
         if not ids:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from posttrain.data.templates import set_chat_template
 from posttrain.errors import UserError
 from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, TINY_TOKENIZER, build_tiny, real_model_dir
 from posttrain.models.device import resolve_device
@@ -86,7 +87,9 @@ def _from_hub(load, name: str, **kwargs):
         raise _hub_error(name, e) from e
 
 
-def load_tokenizer(name: str):
+def load_tokenizer(name: str, chat_template: str = ""):
+    """The tokenizer of a model name; `chat_template` (a built-in name or a .jinja file, data/templates.py)
+    replaces its chat template, e.g. for a base model that has none."""
     from transformers import AutoTokenizer
 
     path = resolve(name)
@@ -96,6 +99,7 @@ def load_tokenizer(name: str):
         tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER if path is None else path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    set_chat_template(tok, chat_template)
     return tok
 
 

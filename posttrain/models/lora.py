@@ -6,6 +6,8 @@ must be trained in full (`modules_to_save`), otherwise the new rows stay random.
 
 from __future__ import annotations
 
+import contextlib
+
 from pydantic import Field
 
 from posttrain.config import Config
@@ -20,13 +22,14 @@ class LoraSettings(Config):
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full (embed_tokens, lm_head) e.g. after adding tokens")
 
 
-def apply_lora(model, cfg: LoraSettings):
+def apply_lora(model, cfg: LoraSettings, task_type: str = "CAUSAL_LM"):
+    """`task_type` SEQ_CLS (reward models): PEFT also trains the new `score` head in full."""
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.target_modules if cfg.target_modules == "all-linear" else [t.strip() for t in cfg.target_modules.split(",")]
     peft_cfg = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-        modules_to_save=cfg.modules_to_save or None, task_type="CAUSAL_LM", bias="none",
+        modules_to_save=cfg.modules_to_save or None, task_type=task_type, bias="none",
     )
     return get_peft_model(model, peft_cfg)
 
@@ -35,3 +38,39 @@ def trainable_fraction(model) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
+
+
+def memory_savers(model, lora: LoraSettings | None, gradient_checkpointing: bool, task_type: str = "CAUSAL_LM"):
+    """The trainable form of a loaded causal LM: gradient checkpointing (each decoder layer's activations
+    recomputed in backward; non-reentrant, so packed/varlen keyword arguments pass through), then the LoRA
+    adapter. Returns the model to train (the PEFT wrapper when LoRA is on)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if lora is not None and lora.enabled:
+        model = apply_lora(model, lora, task_type)
+        if gradient_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: the checkpointed layers still need a grad path
+    return model
+
+
+class AdapterOff:
+    """The reference policy of a LoRA run: the policy's own base weights, its adapter switched off while the
+    reference runs (π_ref = the base, exactly; no second copy of the weights). Use through `reference_view`."""
+
+    def __init__(self, peft_model):
+        self.model = peft_model
+
+    def __enter__(self):
+        self._ctx = self.model.disable_adapter()
+        self._ctx.__enter__()
+        return self.model
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def reference_view(ref):
+    """`with reference_view(ref) as model:` the module to run as π_ref: a frozen copy as it is, or the LoRA
+    policy with its adapter disabled (AdapterOff)."""
+    return ref if isinstance(ref, AdapterOff) else contextlib.nullcontext(ref)

@@ -44,7 +44,7 @@ from posttrain.data.prefix_batch import micro_batches
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.loading import load_model, load_tokenizer
-from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
+from posttrain.models.lora import LoraSettings, memory_savers, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.monitor.preference_alarms import PreferenceAlarms
 from posttrain.plan.measure import Measured, write_plan
@@ -376,14 +376,13 @@ def setup(cfg: DPOConfig) -> DPORun:
     device = ranks.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     unpaired = not preference_losses.meta(cfg.loss).get("paired", True)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
                               unpaired_ok=unpaired, unpair_train=unpaired)
     measured = Measured()
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
-    if cfg.lora.enabled:
-        model = apply_lora(model, cfg.lora)
+    model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing)
     model.train()
     inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
@@ -416,7 +415,7 @@ def setup_probe(run: DPORun, state: dict) -> None:
     if not cfg.length_probe.prompts:
         return
     prompts = [e.prompt_ids for e in (run.evals or run.train)]
-    run.probe = LengthProbe(run.model, run.tok, prompts, cfg.length_probe, cfg.seed, lora=cfg.lora.enabled)
+    run.probe = LengthProbe(run.model, run.tok, prompts, cfg.length_probe, cfg.seed, backend=cfg.backend)
     run.reference_length = state.get("reference_length") if state else None
     if run.reference_length is None:
         if state and not cfg.lora.enabled:

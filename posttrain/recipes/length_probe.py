@@ -1,14 +1,13 @@
 """Sampled response length of the policy on a few fixed prompts (the length-growth alarm of offline
 preference training: DPO has no generation of its own, so the probe samples).
 
-    probe = LengthProbe(model, tok, prompts, settings, lora=False)
+    probe = LengthProbe(model, tok, prompts, settings, backend="auto")
     reference = probe.measure()      # before the first update: the reference's length
     ...
     ratio = probe.measure() / reference
 
-Fixed seeds per prompt, so two measurements differ only through the weights. The built-in engine runs
-plain models (sharing the trainer's weights; `sync_weights()` before each measurement); a PEFT model
-goes through transformers' generate (HFBackend).
+Fixed seeds per prompt, so two measurements differ only through the weights. The backend
+(rollout/backends.py) samples the trainer's own weights; `sync_weights()` before each measurement.
 """
 
 from __future__ import annotations
@@ -28,25 +27,19 @@ class LengthProbeSettings(Config):
 
 class LengthProbe:
     def __init__(self, model, tok, prompts: list[list[int]], settings: LengthProbeSettings, seed: int = 0,
-                 lora: bool = False):
+                 backend: str = "auto"):
+        from posttrain.rollout.backends import build_backend  # torch: this module stays torch-free
+        from posttrain.rollout.engine import EngineConfig
+
         self.model, self.settings, self.seed = model, settings, seed
         self.prompts = prompts[: settings.prompts]
         longest = max(len(p) for p in self.prompts) + settings.max_new_tokens
-        if lora:
-            from posttrain.rollout.hf_backend import HFBackend  # torch: this module stays torch-free
-
-            self.backend, self.engine = HFBackend(model, tok, seed=seed), None
-        else:
-            from posttrain.rollout.engine import Engine, EngineConfig  # torch
-
-            self.engine = Engine(model, tok, EngineConfig(max_num_seqs=len(self.prompts), max_model_len=longest,
-                                                          kv_cache_mb=256, seed=seed))
-            self.backend = self.engine
+        self.backend = build_backend(backend, model, tok, EngineConfig(max_num_seqs=len(self.prompts), max_model_len=longest,
+                                                                       kv_cache_mb=256, seed=seed), echo=None)
 
     def measure(self) -> float:
         """Mean generated tokens over the probe prompts."""
-        if self.engine is not None:
-            self.engine.sync_weights()  # the optimizer changed the shared weights in place
+        self.backend.sync_weights()  # the optimizer changed the shared weights in place
         s = self.settings
         reqs = [Request(p, SamplingParams(n=1, temperature=s.temperature, max_new_tokens=s.max_new_tokens,
                                           seed=self.seed * 1009 + i)) for i, p in enumerate(self.prompts)]

@@ -31,6 +31,7 @@ from posttrain.data.preference import TokenizedPair, load_split
 from posttrain.data.prefix_batch import micro_batches
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.loading import load_tokenizer
+from posttrain.models.lora import LoraSettings, memory_savers
 from posttrain.models.reward_head import load_reward_model, sequence_rewards
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
@@ -64,6 +65,7 @@ class RMConfig(CommonConfig):
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     pad_to_multiple_of: int = Field(64, ge=1, description="round each packed row up to this many tokens")
     progress: bool = Field(True, description="show a progress bar")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="train a LoRA adapter (and the score head in full)")
 
 
 @dataclass(eq=False)
@@ -161,10 +163,11 @@ def setup(cfg: RMConfig) -> RMRun:
     device = resolve_device(cfg.device)
     life = RunLifecycle(cfg)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long)
     measured = Measured()
     model = load_reward_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device, pad_token_id=tok.pad_token_id)
+    model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing, task_type="SEQ_CLS")
     model.train()
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     run = RMRun(cfg, life, tok, train, evals, model, optimizer, scheduler, EpochSampler(len(train), cfg.seed), device,
@@ -193,7 +196,7 @@ def checkpoint_args(run: RMRun) -> CheckpointArgs:
 
 def finish(run: RMRun) -> dict:
     cfg, life = run.cfg, run.life
-    life.save_final(run.model, run.tok)
+    life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
     plan = measured_plan(life.out, run.measured)
     history = life.history()
     last_eval = next((r for r in reversed(history) if "train_eval/accuracy" in r), {})

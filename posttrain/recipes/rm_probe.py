@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from posttrain.config import Config, parse_args
+from posttrain.config import Config, backend_field, chat_template_field, parse_args
 from posttrain.data import formats
 from posttrain.data.formats import completion_text
 from posttrain.data.preference import Pair, load_pairs
@@ -51,6 +51,8 @@ class ProbeConfig(Config):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda | cuda:N")
     batch_tokens: int = Field(8192, ge=64, description="tokens per reward-model forward")
     seed: int = Field(0, description="sampling seed of the sweep")
+    backend: str = backend_field()
+    chat_template: str = chat_template_field()
 
 
 def score_pairs(scorer, pairs: list[Pair]) -> tuple[list[float], list[float]]:
@@ -96,7 +98,8 @@ def bon_sweep(scorer, cfg: ProbeConfig, pairs: list[Pair]) -> dict:
     from posttrain.models.device import resolve_device  # torch, math-verify: this module stays light
     from posttrain.models.loading import load_model, load_tokenizer
     from posttrain.rewards.registry import compose
-    from posttrain.rollout.engine import Engine, EngineConfig
+    from posttrain.rollout.backends import build_backend
+    from posttrain.rollout.engine import EngineConfig
 
     if cfg.prompts:
         rows = [r.data for r in formats.load(cfg.prompts, allowed=("prompt_only", "prompt_completion"))[0]]
@@ -108,9 +111,10 @@ def bon_sweep(scorer, cfg: ProbeConfig, pairs: list[Pair]) -> dict:
             seen.add(json.dumps(r["prompt"], sort_keys=True))
             unique.append(r)
     rows = unique[: cfg.bon_prompts]
-    tok = load_tokenizer(cfg.policy)
+    tok = load_tokenizer(cfg.policy, cfg.chat_template)
     model = load_model(cfg.policy, seed=cfg.seed, device=resolve_device(cfg.device)).eval()
-    engine = Engine(model, tok, EngineConfig(max_num_seqs=min(256, cfg.bon_n * len(rows)), kv_cache_mb=512, seed=cfg.seed))
+    engine = build_backend(cfg.backend, model, tok, EngineConfig(max_num_seqs=min(256, cfg.bon_n * len(rows)), kv_cache_mb=512,
+                                                                  seed=cfg.seed), model_name=cfg.policy)
     outs = engine.generate([Request(render_prompt(tok, r["prompt"]), cfg.sampling.params(n=cfg.bon_n, seed=cfg.seed * 1009 + i))
                             for i, r in enumerate(rows)])
     gold = compose(cfg.gold, options=cfg.gold_args) if cfg.gold else None

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from posttrain.config import Config, ReportTo, parse_args, report_to_field
+from posttrain.config import Config, ReportTo, backend_field, chat_template_field, parse_args, report_to_field
 from posttrain.data import formats
-from posttrain.data.templates import render_prompt
+from posttrain.data.templates import check_template, render_prompt
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device
 from posttrain.models.loading import load_tokenizer
@@ -40,14 +40,15 @@ from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
-from posttrain.rollout.engine import Engine, EngineConfig
+from posttrain.rollout.backends import build_backend
+from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.run import progress
 
 # keys of the SFT section that rs sets itself, each round
-SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device")
+SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device", "backend", "chat_template")
 
 
 class RSTrainSettings(SFTConfig):
@@ -70,6 +71,8 @@ class RSConfig(Config):
     resume: bool = Field(False, description="continue after the last finished round (a round's SFT resumes from its checkpoints)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="weights dtype while sampling")
+    backend: str = backend_field()
+    chat_template: str = chat_template_field()
     reward: str = Field("math", description="reward or weighted composition: 'math', 'math:1.0,format:0.2', 'my.py:fn'")
     reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {math: {mode: last_number}}")
     n: int = Field(8, ge=1, description="samples per prompt (N of best-of-N)")
@@ -221,7 +224,7 @@ def write_kept(path: Path, rows: list[formats.Row], kept: list[list[Sample]], ro
 def sft_config(cfg: RSConfig, model: str, data: Path, out: Path, n_rows: int) -> SFTConfig:
     """The SFT section with the round's model, data and directory; max_steps from `epochs` unless given."""
     update = {"model": model, "data": str(data), "output_dir": str(out), "resume": cfg.resume, "seed": cfg.seed,
-              "device": cfg.device}
+              "device": cfg.device, "backend": cfg.backend, "chat_template": cfg.chat_template}
     if "max_steps" not in cfg.train.model_fields_set:
         update["max_steps"] = max(1, math.ceil(cfg.epochs * n_rows / cfg.train.batch_size))
     return cfg.train.model_copy(update=update)
@@ -237,8 +240,8 @@ def draw(run: RSRun, model_path: str, seed: int) -> list[list[Sample]]:
     cfg = run.cfg
     model = load_model(model_path, dtype=cfg.dtype, seed=cfg.seed).to(resolve_device(cfg.device)).eval()
     defaults = {"max_num_seqs": min(256, len(run.rows) * cfg.n), "seed": cfg.seed}
-    engine = Engine(model, run.tok, cfg.engine.model_copy(update={k: v for k, v in defaults.items()
-                                                                   if k not in cfg.engine.model_fields_set}))
+    engine = build_backend(cfg.backend, model, run.tok, cfg.engine.model_copy(update={
+        k: v for k, v in defaults.items() if k not in cfg.engine.model_fields_set}), model_name=model_path, dtype=cfg.dtype)
     try:
         return sample(engine, run.tok, run.rows, cfg, seed)
     finally:
@@ -301,7 +304,8 @@ def setup(cfg: RSConfig) -> RSRun:
         raise UserError(f"{out} already holds an rs run: pass resume=true, or choose another output_dir")
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     reward_fn = build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # columns checked against the data
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    check_template(tok, rows)
     life = RunLifecycle(cfg)
     done = len(finished_rounds(life.out, cfg.rounds)) if cfg.resume else None
     run = RSRun(cfg, life, tok, rows, reward_fn, life.metrics_from(done))

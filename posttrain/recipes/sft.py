@@ -26,16 +26,16 @@ from pydantic import Field
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
-from posttrain.data.templates import TemplateError, Tokenized, render_row, render_text
+from posttrain.data.templates import TemplateError, Tokenized, check_template, render_row, render_text
 from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
-from posttrain.models.forward import token_logprobs, unwrap
+from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
-from posttrain.models.lora import LoraSettings, apply_lora, trainable_fraction
+from posttrain.models.lora import LoraSettings, memory_savers, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
-from posttrain.rollout.engine import Engine, EngineConfig
-from posttrain.rollout.hf_backend import HFBackend
+from posttrain.rollout.backends import build_backend
+from posttrain.rollout.engine import EngineConfig
 from posttrain.systems import dist, fsdp
 from posttrain.training import run as training_run
 from posttrain.training.data_order import EpochSampler
@@ -77,7 +77,6 @@ class SFTConfig(CommonConfig):
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     pad_to_multiple_of: int = Field(64, ge=1, description="round each micro-batch's row width up to this (few shapes: oneDNN reuses its bf16 kernels)")
     logit_chunk: int = Field(1024, ge=1, description="rows of lm_head computed at once")
-    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     progress: bool = Field(True, description="show a progress bar")
 
 
@@ -118,8 +117,10 @@ def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: 
 def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], list[dict]]:
     """(train samples, eval samples, eval conversations for sampling)."""
     rows, fmt = formats.load(cfg.data, allowed=SFT_FORMATS)
+    check_template(tok, rows)
     if cfg.eval_data:
         eval_rows, eval_fmt = formats.load(cfg.eval_data, allowed=SFT_FORMATS)
+        check_template(tok, eval_rows)
     else:
         g = torch.Generator().manual_seed(cfg.seed + 7)
         order = torch.randperm(len(rows), generator=g).tolist()
@@ -155,13 +156,11 @@ def mean_nll(model, samples: list[Tokenized], pad_id: int, cfg: SFTConfig, info:
 
 def task_eval(hook: EvalHook, model, tok, cfg: SFTConfig, step: int) -> dict:
     """Held-out pass@1 (and pass@k) from samples of the current weights (posttrain.eval.hook).
-    The engine is built on first use and shares the weights; LoRA runs sample through HF generate."""
+    The backend (cfg.backend) is built on first use and samples the current weights (LoRA: adapter applied)."""
     if hook.backend is None:
-        if cfg.lora.enabled:
-            hook.backend = HFBackend(model, tok, seed=cfg.seed)
-        else:
-            seqs = min(64, len(hook.rows) * hook.settings.n)
-            hook.backend = Engine(unwrap(model), tok, EngineConfig(max_num_seqs=seqs, kv_cache_mb=256, seed=cfg.seed))
+        seqs = min(64, len(hook.rows) * hook.settings.n)
+        hook.backend = build_backend(cfg.backend, model, tok, EngineConfig(max_num_seqs=seqs, kv_cache_mb=256, seed=cfg.seed),
+                                     model_name=cfg.model, dtype=cfg.dtype)
     model.eval()
     try:
         return hook.maybe(hook.backend, step, last=True)
@@ -266,18 +265,14 @@ def setup(cfg: SFTConfig) -> SFTRun:
     device = dist.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
     eval_hook = EvalHook(cfg.eval_tasks, tok, eval_every=cfg.eval_every)  # held-out problems: checked now too
     units = make_units(train_samples, cfg)
 
     measured = Measured()  # RSS baseline before the model exists
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    if cfg.lora.enabled:
-        model = apply_lora(model, cfg.lora)
+    model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing)
     model.train()
     trainable, total = trainable_fraction(model)
     inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from pydantic import Field
 
-from posttrain.config import Config, parse_args
+from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_field, parse_args
 from posttrain.data import formats
+from posttrain.data.templates import check_template, has_template, render_prompt
 from posttrain.errors import UserError
 from posttrain.rollout.types import Request, SamplingParams
 
@@ -22,10 +23,11 @@ from posttrain.rollout.types import Request, SamplingParams
 class GenerateConfig(Config):
     """Sample completions for a file of prompts."""
 
-    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name)")
+    model: str = Field("tiny-random", description=MODEL_HELP)
     data: str = Field("", description="prompts .jsonl: one object per line with `prompt` (string or [{role, content}] list)")
     output: str = Field("samples.jsonl", description="output .jsonl, one line per sample")
-    backend: str = Field("builtin", pattern="^(builtin|hf|vllm)$", description="builtin (this engine), hf (transformers generate, reference), vllm (GPU)")
+    backend: str = backend_field()
+    chat_template: str = chat_template_field()
     n: int = Field(1, ge=1, description="samples per prompt")
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 = off")
@@ -42,38 +44,32 @@ class GenerateConfig(Config):
 
 
 def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
-    """(token ids of every `prompt`, the rows): a string prompt becomes one user turn and the chat template
-    adds the generation header; the rows' other columns (e.g. `answer`) travel to the output for `score`."""
+    """(token ids of every `prompt`, the rows): with a chat template a string prompt becomes one user turn and
+    the template adds the generation header; without one (a base model) it is plain text, and conversations
+    are refused naming chat_template=. The rows' other columns (e.g. `answer`) travel to the output for `score`."""
     rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
+    check_template(tokenizer, rows)
     prompts = []
     for row in rows:
         prompt = row.data["prompt"]
-        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        prompts.append(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        if isinstance(prompt, str) and has_template(tokenizer):
+            prompt = [{"role": "user", "content": prompt}]
+        prompts.append(render_prompt(tokenizer, prompt))
     return prompts, [r.data for r in rows]
 
 
 def make_backend(cfg: GenerateConfig, model_name: str):
-    from posttrain.models.loading import load_model, load_tokenizer, resolve  # torch: not for --help
-
-    if cfg.backend == "vllm":
-        from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] extra
-
-        path = resolve(model_name)
-        if path is None:
-            raise UserError("backend=vllm needs a model folder (tiny random models exist only in memory)")
-        b = VLLMBackend(path, dtype=cfg.dtype if cfg.dtype != "float32" else "bfloat16", seed=cfg.seed, max_model_len=cfg.max_model_len)
-        return b, b.tokenizer
-    tok = load_tokenizer(model_name)
-    model = load_model(model_name, dtype=cfg.dtype, device=cfg.device).eval()
-    if cfg.backend == "hf":
-        from posttrain.rollout.hf_backend import HFBackend
-
-        return HFBackend(model, tok, seed=cfg.seed, max_model_len=cfg.max_model_len), tok
-    from posttrain.rollout.engine import Engine, EngineConfig
+    """(backend, tokenizer) for a generate/eval config: rollout/backends.py picks and builds it."""
+    from posttrain.models.loading import load_model, load_tokenizer  # torch: not for --help
+    from posttrain.rollout.backends import build_backend
+    from posttrain.rollout.engine import EngineConfig
 
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb, seed=cfg.seed)
-    return Engine(model, tok, ecfg), tok
+    tok = load_tokenizer(model_name, cfg.chat_template)
+    if cfg.backend == "vllm":  # vLLM loads the weights itself
+        return build_backend("vllm", None, tok, ecfg, model_name=model_name, dtype=cfg.dtype), tok
+    model = load_model(model_name, dtype=cfg.dtype, device=cfg.device).eval()
+    return build_backend(cfg.backend, model, tok, ecfg, model_name=model_name, dtype=cfg.dtype), tok
 
 
 def main(argv: list[str]) -> None:

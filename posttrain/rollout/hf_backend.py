@@ -21,31 +21,75 @@ import torch
 from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
 
 
+def _eos_ids(model, tokenizer) -> list[int]:
+    """The model's stop ids: generation_config, then config, then the tokenizer's eos (as the built-in engine)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+# Logits processors a model's generation_config.json may switch on (repetition penalty, min-p, ...) set to their
+# neutral values: the sampled distribution must be temperature / top-k / top-p only, the one the trainer recomputes.
+NEUTRAL = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0,
+               eta_cutoff=0.0, min_length=0, encoder_repetition_penalty=1.0, encoder_no_repeat_ngram_size=0)
+
+
 class HFBackend:
+    """`generate(requests)` through transformers; it samples the model it was given (a PEFT model: with its
+    adapter), in eval mode (dropout off), and restores the training mode after."""
+
+    name = "hf"
+
     def __init__(self, model, tokenizer=None, seed: int = 0, max_model_len: int | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.rng = random.Random(seed)
-        self.max_model_len = max_model_len or getattr(model.config, "max_position_embeddings", 2048)
-        eos = model.generation_config.eos_token_id
-        self.default_eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        limit = getattr(model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or limit, limit)
+        self.default_eos = _eos_ids(model, tokenizer)
+        self.generated_tokens, self.seconds = 0, 0.0
+
+    def sync_weights(self) -> None:
+        """Nothing to do: every call reads the model's current weights."""
 
     def update_weights(self, state_dict: dict) -> None:
         self.model.load_state_dict(state_dict, strict=False)
 
+    def metrics(self) -> dict:
+        return {"generated_tokens": self.generated_tokens, "decode_s": self.seconds,
+                "tokens_per_s": self.generated_tokens / self.seconds if self.seconds else 0.0}
+
     def generate(self, requests: list[Request]) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outs = []
-        for i, r in enumerate(requests):
-            out = RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
-            seed = r.params.seed if r.params.seed is not None else self.rng.getrandbits(63)
-            try:
-                check_request(r, self.max_model_len, has_tokenizer=self.tokenizer is not None)
-                out.samples = self._one(r, seed)
-            except ValueError as e:
-                out.error = f"request {out.request_id}: {e}"
-            out.time_finished = time.perf_counter() - t0
-            outs.append(out)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for i, r in enumerate(requests):
+                out = RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
+                seed = r.params.seed if r.params.seed is not None else self.rng.getrandbits(63)
+                try:
+                    check_request(r, self.max_model_len, has_tokenizer=self.tokenizer is not None)
+                    out.samples = self._one(r, seed)
+                except ValueError as e:
+                    out.error = f"request {out.request_id}: {e}"
+                out.time_finished = time.perf_counter() - t0
+                outs.append(out)
+        finally:
+            self.model.train(was_training)
+        self.seconds += time.perf_counter() - t0
+        self.generated_tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
         return outs
+
+    def _pad_id(self) -> int:
+        pad = getattr(self.model.generation_config, "pad_token_id", None)
+        if pad is None and self.tokenizer is not None:
+            pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.default_eos[0] if self.default_eos else 0
+        return pad
 
     @torch.inference_mode()
     def _one(self, r: Request, seed: int) -> list[Completion]:
@@ -53,7 +97,7 @@ class HFBackend:
         stop_ids = [] if p.ignore_eos else (self.default_eos if p.stop_token_ids is None else list(p.stop_token_ids))
         max_new = min(p.max_new_tokens, self.max_model_len - len(r.prompt_token_ids))
         kw = dict(max_new_tokens=max_new, num_return_sequences=p.n, output_scores=True, return_dict_in_generate=True,
-                  pad_token_id=self.model.generation_config.pad_token_id or 0)
+                  pad_token_id=self._pad_id(), **NEUTRAL)
         if p.temperature == 0:
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:

@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.config import Config, parse_args
+from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_field, parse_args
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.rollout.types import Request, RequestOutput, SamplingParams
@@ -42,7 +42,9 @@ from posttrain.rollout.types import Request, RequestOutput, SamplingParams
 class ServeConfig(Config):
     """Serve a model over an OpenAI-compatible HTTP API (chat and text completions) with the built-in engine."""
 
-    model: str = Field("tiny-random", description="HF folder, built-in name (smollm2-135m-instruct, tiny-random, tiny-random-qwen2) or Hub id (org/name)")
+    model: str = Field("tiny-random", description=MODEL_HELP)
+    backend: str = backend_field()
+    chat_template: str = chat_template_field()
     served_model_name: str = Field("", description="the name /v1/models lists and requests must use ('' = the model argument)")
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0: every interface; there is no authentication)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = a free one, printed at start)")
@@ -113,7 +115,7 @@ class EngineWorker:
                 if running:
                     running = self._take(active)
                 self.peak_jobs = max(self.peak_jobs, len(active))
-                if self.engine.scheduler.has_work():
+                if self.engine.has_work():
                     self.engine.step()
             except Exception as e:  # every caller gets the error; the engine is not trusted again
                 self.broken = f"engine failed: {type(e).__name__}: {e}"
@@ -323,12 +325,14 @@ class ServerThread:
 
 def build_worker(cfg: ServeConfig):
     from posttrain.models.loading import load_model, load_tokenizer  # torch: not for --help
+    from posttrain.rollout.backends import StepAdapter, build_backend
     from posttrain.rollout.engine import Engine, EngineConfig
 
-    tok = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb, seed=cfg.seed)
-    return EngineWorker(Engine(model, tok, ecfg)), tok
+    model = None if cfg.backend == "vllm" else load_model(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
+    backend = build_backend(cfg.backend, model, tok, ecfg, model_name=cfg.model, dtype=cfg.dtype)
+    return EngineWorker(backend if isinstance(backend, Engine) else StepAdapter(backend)), tok
 
 
 def main(argv: list[str]) -> None:

@@ -15,6 +15,7 @@ from posttrain.algos import distill_losses
 from posttrain.algos.presets import rl_preset
 from posttrain.config import CommonConfig
 from posttrain.eval.hook import EvalSettings
+from posttrain.models.lora import LoraSettings
 from posttrain.monitor.alarms import AlarmSettings
 from posttrain.recipes.rl import RLConfig
 from posttrain.recipes.rs import RSConfig
@@ -56,6 +57,7 @@ class DistillConfig(CommonConfig):
     beta: float = Field(0.5, gt=0, lt=1, description="jsd: β of JSD(β) = β KL(P‖M) + (1−β) KL(Q‖M), M = βP + (1−β)Q")
     temperature: float = Field(1.0, gt=0, description="logit, on_policy: both distributions at this temperature in the divergence")
     optim: OptimSettings = Field(default_factory=OptimSettings)
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="train a LoRA adapter on the student")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = Field(2, ge=1, description="checkpoints kept on disk")
     progress: bool = Field(True, description="show a progress bar")

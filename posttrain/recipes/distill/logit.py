@@ -26,6 +26,7 @@ from posttrain.data.packing import IGNORE, collate
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device
 from posttrain.models.forward import backbone_and_head, unwrap
+from posttrain.models.lora import memory_savers
 from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_plan
@@ -114,7 +115,7 @@ def setup(cfg: DistillConfig) -> LogitRun:
     print(f"teacher cache {info['path']} ({'built' if info['built'] else 'reused'}): {cache.meta['tokens']:,} tokens x "
           f"{cache.meta['bytes_per_token']} B = top-{cache.meta['k']} x ({cache.ids.dtype.itemsize} B id + "
           f"{cache.logps.dtype.itemsize} B log-prob) + {cache.logps.dtype.itemsize} B tail")
-    model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
+    model = memory_savers(load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device), cfg.lora, cfg.gradient_checkpointing)
     if model.get_output_embeddings().weight.shape[0] != cache.meta["vocab"]:
         raise UserError(f"teacher '{cfg.teacher}' has {cache.meta['vocab']} output logits and student '{cfg.model}' has "
                         f"{model.get_output_embeddings().weight.shape[0]}: logit distillation needs the same vocabulary")
@@ -195,7 +196,7 @@ def train(cfg: DistillConfig) -> dict:
     run = setup(cfg)
     run_loop(run.life, cfg, lambda step: logit_step(run, step), lambda: checkpoint_args(run), desc="distill/logit",
              postfix=lambda row: {"kd": f"{row['distill/kd']:.4f}"})
-    run.life.save_final(run.model, run.tok)
+    run.life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
     history = run.life.history()
     summary = {"mode": "logit", "divergence": cfg.resolved_divergence, "steps": cfg.max_steps,
                "first_kd": history[0]["distill/kd"] if history else math.nan,

@@ -204,7 +204,7 @@ def train(cfg: DistillConfig) -> dict:
 def finish(run: OnPolicyRun) -> dict:
     cfg, r = run.cfg, run.rl
     life = r.life
-    life.save_final(r.model, r.tok)
+    life.save_final(r.model, r.tok, lora=cfg.lora.enabled)
     teacher_seconds = sum(row.get("time/teacher", 0.0) for row in life.history())
     plan = write_distill_measured(life.out, r.measured, {"scored_tokens": run.teacher_tokens,
                                                          "forward_tokens": run.teacher_forward_tokens,

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.models.forward import unwrap
-from posttrain.models.loading import resolve
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.rollout import sampled_plan_inputs
+from posttrain.rollout.backends import StepAdapter, build_backend
 from posttrain.rollout.engine import Engine
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.training.data_order import EpochSampler
@@ -404,8 +404,10 @@ class TrainerEngine:
     costs nothing; an engine over the trainer's weights is built (and synced) only when something
     samples from them (held-out evaluation)."""
 
-    def __init__(self, model, tok, config):
+    def __init__(self, model, tok, config, cfg=None):
         self.model, self.tok, self.config = model, tok, config
+        # evaluation samples the trainer's own weights: vLLM holds a separate copy, so it is not used here
+        self.backend = "auto" if cfg is None or cfg.backend == "vllm" else cfg.backend
         self._engine, self._stale = None, False
 
     def sync_weights(self) -> None:
@@ -413,7 +415,7 @@ class TrainerEngine:
 
     def generate(self, requests, **kw):
         if self._engine is None:
-            self._engine, self._stale = Engine(unwrap(self.model), self.tok, self.config), False
+            self._engine, self._stale = build_backend(self.backend, unwrap(self.model), self.tok, self.config, echo=None), False
         if self._stale:
             self._engine.sync_weights()
             self._stale = False
@@ -456,52 +458,17 @@ def attach(run) -> AsyncRollout:
     return rollout
 
 
-class StepAdapter:
-    """submit / step / has_work over a backend with only a blocking `generate` (vLLM, HF): `step()` runs
-    everything submitted so far in one call. Samples in flight then never see a weight update."""
-
-    @dataclass(eq=False)
-    class _State:
-        request: object
-        output: object = None
-        remaining: int = 1
-
-    def __init__(self, backend):
-        self.backend, self.waiting = backend, []
-
-    def submit(self, requests):
-        states = [self._State(r) for r in requests]
-        self.waiting += states
-        return states
-
-    def has_work(self) -> bool:
-        return bool(self.waiting)
-
-    def step(self) -> None:
-        todo, self.waiting = self.waiting, []
-        for st, out in zip(todo, self.backend.generate([s.request for s in todo])):
-            st.output, st.remaining = out, 0
-
-    def update_weights(self, state_dict: dict) -> None:
-        self.backend.update_weights(state_dict)
-
-
 def rollout_engine(run):
-    """The producer's engine on its own copy of the policy; rows for (k + 1) rounds decode together.
-    systems.rollout_backend=vllm: a vLLM engine on the GPU (posttrain[vllm]) behind StepAdapter."""
+    """The producer's backend on its own copy of the policy; rows for (k + 1) rounds decode together.
+    The built-in engine steps with the producer; hf and vllm (which load new weights by `update_weights`)
+    run behind StepAdapter."""
     cfg = run.cfg
-    if cfg.systems.rollout_backend == "vllm":
-        from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] extra
-
-        path = resolve(cfg.model)
-        if path is None:
-            raise ValueError("rollout_backend=vllm needs a model folder or Hub id (vLLM cannot build tiny-random)")
-        dtype = "float32" if cfg.dtype in ("float32", "fp32") else "bfloat16"
-        return StepAdapter(VLLMBackend(str(path), dtype=dtype, seed=cfg.seed,
-                                       gpu_memory_utilization=cfg.systems.vllm_gpu_memory_utilization))
-    model = copy.deepcopy(unwrap(run.model)).eval().requires_grad_(False)
+    # vLLM loads its own weights from cfg.model; the others sample from a private copy
+    model = unwrap(run.model) if cfg.backend == "vllm" else copy.deepcopy(unwrap(run.model)).eval().requires_grad_(False)
     engine_cfg = run.engine.config
     if "max_num_seqs" not in cfg.engine.model_fields_set:
         rows = (cfg.systems.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
         engine_cfg = engine_cfg.model_copy(update={"max_num_seqs": min(256, rows)})
-    return Engine(model, run.tok, engine_cfg)
+    extra = {"gpu_memory_utilization": cfg.systems.vllm_gpu_memory_utilization} if cfg.backend == "vllm" else {}
+    backend = build_backend(cfg.backend, model, run.tok, engine_cfg, model_name=cfg.model, dtype=cfg.dtype, **extra)
+    return backend if isinstance(backend, Engine) else StepAdapter(backend)

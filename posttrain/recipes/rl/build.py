@@ -14,10 +14,12 @@ from posttrain.algos import AdaptiveKLController, FixedKLController, policy_loss
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos.presets import rl_preset, uses_critic
 from posttrain.data import formats
+from posttrain.data.templates import check_template
 from posttrain.eval.hook import EvalHook
 from posttrain.models.device import resolve_device
 from posttrain.models.forward import unwrap
 from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.models.lora import AdapterOff, memory_savers
 from posttrain.monitor.alarms import AlarmMonitor
 from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
@@ -31,7 +33,7 @@ from posttrain.recipes.rl.rollout import SyncRollout
 from posttrain.recipes.rl.run import RLRun, Rollout
 from posttrain.recipes.rl.sharded import ShardedRollout
 from posttrain.rewards.build import build_reward
-from posttrain.rollout.engine import Engine
+from posttrain.rollout.backends import build_backend
 from posttrain.systems import fsdp
 from posttrain.systems.dist import rank_device
 from posttrain.training.data_order import EpochSampler
@@ -51,23 +53,29 @@ def setup(cfg: RLConfig) -> RLRun:
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     device = rank_device(resolve_device(cfg.device), info)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    check_template(tok, rows)
     agent = setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
     reward_fn = None if agent is not None else reward_of(cfg, rows)
     eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
     model.train()
-    ref = frozen_copy(model) if cfg.needs_reference else None  # β = 0 must not load a reference model
+    # π_ref (β > 0 only; β = 0 loads none): a frozen copy, or with LoRA the policy's base (adapter off)
+    ref = frozen_copy(model) if cfg.needs_reference and not cfg.lora.enabled else None
     inner = policy_copy = None
     if info.world > 1:  # the engine samples from a full copy; the trainer's weights are sharded
         inner, policy_copy = model, frozen_copy(model)
         model = fsdp.shard_model(model)
+    # PPO's critic: from the initial weights, before LoRA wraps the policy's modules (it trains in full)
+    critic = Critic.build(cfg, policy_copy if policy_copy is not None else model, device, info) if uses_critic(rl_preset(cfg.algo)) else None
+    model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing)
+    if cfg.needs_reference and cfg.lora.enabled:
+        ref = AdapterOff(model)
     engine = make_engine(cfg, model if policy_copy is None else policy_copy, tok)
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     beta = cfg.resolved_beta
     kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
-    critic = Critic.build(cfg, policy_copy if policy_copy is not None else model, device, info) if uses_critic(rl_preset(cfg.algo)) else None
     run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler, EpochSampler(len(rows), cfg.seed),
                 kl_ctl, advantage_fn(cfg, critic), None if cfg.algo == "online_dpo" else policy_losses.get(cfg.resolved_loss),
                 cfg.resolved_agg,
@@ -123,14 +131,15 @@ def make_engine(cfg: RLConfig, model: torch.nn.Module, tok):
         k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
         if k not in cfg.engine.model_fields_set})
     if cfg.systems.pipelined:
-        return async_rl.TrainerEngine(model, tok, engine_cfg)
-    return Engine(model, tok, engine_cfg)
+        return async_rl.TrainerEngine(model, tok, engine_cfg, cfg)
+    return build_backend(cfg.backend, model, tok, engine_cfg, model_name=cfg.model, dtype=cfg.dtype,
+                         echo=print if cfg.backend == "auto" else None)
 
 
 def refusals_under_torchrun(cfg: RLConfig) -> list[tuple[bool, str]]:
     """What a sharded run cannot do yet."""
     return [(cfg.algo == "online_dpo", "algo=online_dpo"), (bool(cfg.env), "env= (multi-turn episodes)"),
-            (cfg.systems.pipelined, "async_rl / cluster=ray")]
+            (cfg.systems.pipelined, "async_rl / cluster=ray"), (cfg.lora.enabled, "lora")]
 
 
 def reward_of(cfg: RLConfig, rows: list[formats.Row]):

@@ -13,6 +13,7 @@ from posttrain.algos import policy_losses, preference_losses
 from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
 from posttrain.config import CommonConfig, Config
 from posttrain.eval.hook import EvalSettings
+from posttrain.models.lora import LoraSettings
 from posttrain.monitor.alarms import AlarmSettings
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
@@ -24,8 +25,7 @@ class SystemsSettings(Config):
     max_staleness: int = Field(1, ge=0, description="k: a sample drawn by policy version v is used at trainer step s only if s - v <= k (0 = on-policy, same samples as synchronous)")
     partial_rollouts: str = Field("finish", pattern="^(finish|drop)$",
                                   description="samples in flight when a newer policy is published: finish (under the version that started them; the new weights load when they are done) | drop (new weights load at once; those samples are discarded)")
-    rollout_backend: str = Field("builtin", pattern="^(builtin|vllm)$", description="async RL rollouts: the built-in engine | vllm (GPU, pip install 'posttrain[vllm]'; weights pushed to it by version)")
-    vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="rollout_backend=vllm: share of the GPU vLLM may take (the trainer shares the GPU)")
+    vllm_gpu_memory_utilization: float = Field(0.4, gt=0, le=1, description="backend=vllm: share of the GPU vLLM may take (the trainer shares the GPU)")
     queue_groups: int = Field(0, ge=0, description="bound of the rollout queue in groups (0 = (max_staleness + 2) x prompts_per_step)")
     cluster: str = Field("local", pattern="^(local|ray)$", description="local (one process) | ray (rollout, reward and trainer as Ray actors; pip install 'posttrain[ray]')")
     ray_address: str = Field("", description="cluster=ray: address of an existing Ray cluster ('' = start a local one with ray.init())")
@@ -68,6 +68,7 @@ class RLConfig(CommonConfig):
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(kv_cache_mb=512),
                                  description="built-in engine (max_num_seqs defaults to B × G)")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="train a LoRA adapter on the policy; π_ref is the base (adapter off), the engine samples the adapted weights")
     beta: float | None = Field(None, ge=0, description="KL coefficient; None = the algo's preset; 0 loads no reference")
     kl_estimator: str = Field("k3", pattern="^(k1|k2|k3)$", description="KL in the loss: k3 (GRPO) | k2; k1 has zero expected gradient there")
     kl_target: float | None = Field(None, gt=0, description="adaptive β toward this KL per sequence (nats; Ziegler et al. 2019); None = fixed β")
@@ -137,6 +138,10 @@ class RLConfig(CommonConfig):
             raise ValueError("sampling.temperature must be > 0 for RL (greedy samples have no log-prob to optimise)")
         if self.env and self.systems.pipelined:
             raise ValueError("env= (multi-turn episodes) runs synchronously for now: drop async_rl / cluster=ray")
+        if self.lora.enabled and self.ref_update_every:
+            raise ValueError("lora with ref_update_every: the LoRA reference is the base model (adapter off) and does not move")
+        if self.lora.enabled and self.systems.pipelined:
+            raise ValueError("lora with async_rl / cluster=ray: the rollout worker's copy takes full weights; train without lora or synchronously")
         return self
 
     @property

@@ -59,7 +59,7 @@ def finish(run: RLRun, final_checkpoint: bool = True) -> dict:
     run.rollout.close()
     if final_checkpoint and cfg.max_steps > life.start:  # keeps resume possible (e.g. to extend max_steps)
         save(life, cfg.max_steps, checkpoint_args(run), force=True)
-    final = life.save_final(run.model, run.tok)
+    final = life.save_final(run.model, run.tok, lora=cfg.lora.enabled)
     if run.critic is not None:
         run.critic.save(final / "value", life.main)
     if not life.main:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from posttrain.algos import preference_losses
+from posttrain.models.lora import reference_view
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.log import log_step
 from posttrain.recipes.rl.run import RLRun
@@ -43,8 +44,8 @@ def online_dpo_step(run: RLRun, step: int) -> dict:
     # 3. reference
     ref = None
     if run.ref is not None:
-        with timer("reference"), torch.no_grad():
-            ref = sequence_logps(run.ref, batches, cfg.mixed_precision)
+        with timer("reference"), torch.no_grad(), reference_view(run.ref) as ref_model:
+            ref = sequence_logps(ref_model, batches, cfg.mixed_precision)
     # 4. update
     with timer("update"):
         lr = run.scheduler.get_last_lr()[0]

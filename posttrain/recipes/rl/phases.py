@@ -20,6 +20,7 @@ from posttrain.algos import aggregate, dynamic_sampling, kl_estimate
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
+from posttrain.models.lora import reference_view
 from posttrain.ops.logprobs import chunked_logprobs
 from posttrain.ops.sampling import trainer_logprobs
 from posttrain.rollout.trajectory import RLBatch, Trajectory
@@ -162,8 +163,9 @@ def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str
 
 @torch.no_grad()
 def reference_logps(ref, batches: list[RLBatch], cfg) -> None:
-    for b in batches:
-        b.ref_logp, _ = policy_logps(ref, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=False)
+    with reference_view(ref) as model:  # a frozen copy, or the LoRA policy with its adapter off
+        for b in batches:
+            b.ref_logp, _ = policy_logps(model, b, cfg.sampling.temperature, cfg.mixed_precision, truncated=False)
 
 
 # ---------------------------------------------------------------- update

@@ -33,11 +33,13 @@ from posttrain.recipes.rl.async_rl import (
     Failure,
     GroupItem,
     RolloutProducer,
+    StepAdapter,
     WeightStore,
     local_scorer,
     weights_of,
 )
 from posttrain.rewards.build import build_reward
+from posttrain.rollout.backends import build_backend
 from posttrain.rollout.engine import Engine
 
 
@@ -81,13 +83,14 @@ class RolloutWorker:
     def __init__(self, cfg, queue, reward):
         self.cfg, self.queue, self.reward = cfg, queue, reward
         self.incarnation = uuid.uuid4().hex
-        self.tok = load_tokenizer(cfg.model)
+        self.tok = load_tokenizer(cfg.model, cfg.chat_template)
         self.rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
         model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).eval().requires_grad_(False)
         rows = (cfg.systems.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
         engine_cfg = cfg.engine.model_copy(update={
             k: v for k, v in {"max_num_seqs": min(256, rows), "seed": cfg.seed}.items() if k not in cfg.engine.model_fields_set})
-        self.engine = Engine(model, self.tok, engine_cfg)
+        backend = build_backend(cfg.backend, model, self.tok, engine_cfg, model_name=cfg.model, dtype=cfg.dtype)
+        self.engine = backend if isinstance(backend, Engine) else StepAdapter(backend)
         self.producer, self.stop, self.thread = None, threading.Event(), None
 
     def start(self, resume: dict | None, version: int, weights: dict) -> str:

@@ -86,7 +86,7 @@ def test_builtin_names():
     ({"model": "-8e9"}, "model"),
     ({"model": "no-such-model"}, "model"),
     ({"model": 8e9, "lora_r": 16}, "lora_r"),
-    ({"lora_r": 8, "lora_targets": "q_proj,nope"}, "lora_targets"),
+    ({"lora_r": 8, "lora_targets": "nope,neither"}, "lora_targets"),  # one that matches is enough, as in PEFT
     ({"method": "grpo", "reward": "oracle"}, "reward"),
     ({"method": "sft", "reward": "verifier"}, "reward"),
     ({"method": "sft", "group": 4}, "group"),

@@ -14,7 +14,8 @@ class PlanConfig(Config):
     Add --json to print the prediction as JSON."""
 
     model: str = Field("tiny-random", description="HF folder, known architecture (llama-3-8b, llama-3-70b, qwen2.5-0.5b, "
-                       "qwen2.5-7b, smollm2-135m), built-in (tiny-random, smollm2-135m-instruct), or a parameter count (8e9, 8B)")
+                       "qwen2.5-7b, qwen3-0.6b, gemma-3-1b, smollm2-135m), built-in (tiny-random*, smollm2-135m-instruct), "
+                       "a Hub id in the HF cache (org/name), or a parameter count (8e9, 8B)")
     method: str = Field("sft", description="sft | rm | dpo | ppo | grpo | rlvr | agent | distill | rs")
 
     # shape of a step
@@ -39,9 +40,12 @@ class PlanConfig(Config):
     top_k: int = Field(64, ge=1, description="distill: teacher log-probs stored per position (top-k)")
     data_tokens: Optional[float] = Field(None, gt=0, description="distill logit: loss tokens the teacher cache covers (one pass over the data): its size on disk and the teacher's one-time forward")
 
-    # precision, LoRA
+    # precision, memory savers (LoRA, gradient checkpointing)
     lora_r: int = Field(0, ge=0, description="LoRA rank (0 = full fine-tuning); needs an architecture, not a bare count")
-    lora_targets: str = Field("all-linear", description="LoRA target modules: all-linear or a comma list (q_proj,v_proj,...)")
+    lora_targets: str = Field("all-linear", description="LoRA target modules: all-linear (every linear layer but lm_head) or a "
+                              "comma list matched as PEFT does (q_proj,v_proj; phi3: qkv_proj,gate_up_proj,...)")
+    gradient_checkpointing: bool = Field(False, description="trained models keep only each layer's input and recompute one layer "
+                                         "at a time in backward: activations L·h + one layer per token; training 8 FLOPs/param/token")
     dtype: str = Field("bf16", description="dtype of frozen weights, KV cache and activations (bf16, fp16, fp32, fp8, int8, int4)")
     train_bytes_per_param: float = Field(16, gt=0, description="training state per trainable param (weights + grads + Adam m, v)")
     infer_bytes_per_param: Optional[float] = Field(None, gt=0, description="bytes per frozen param (default: from dtype)")

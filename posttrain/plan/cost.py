@@ -41,20 +41,28 @@ def model_bytes(params: float, trainable: float, train_bytes: float = TRAIN_BYTE
 
 
 def activation_bytes(tokens: int, layers: int, hidden: int, intermediate: int, kv_dim: int, vocab: int,
-                     bytes_per_value: float = 4, logit_copies: float = 3, heads: int = 0, seq_len: int = 0) -> float:
-    """Activations kept for backward in one forward/backward over `tokens` tokens (no checkpointing):
+                     bytes_per_value: float = 4, logit_copies: float = 3, heads: int = 0, seq_len: int = 0,
+                     checkpointing: bool = False, layer_values: float | None = None, layer_max: float | None = None) -> float:
+    """Activations kept for backward in one forward/backward over `tokens` tokens:
 
-        bytes × tokens × [ L·(8h + 4i + 2·kv_dim) + 3h + copies·V ]   (+ L·a·s when attention probabilities are stored)
+        no checkpointing   bytes × tokens × [ L·A + 3h + copies·V ],   A = 8h + 4i + 2·kv_dim (+ a·s)
+        checkpointing      bytes × tokens × [ L·h + A_max + 3h + copies·V ]
 
-    Counted with torch's saved-tensor hooks on the transformers Llama/Qwen2 decoder (SDPA attention, fp32):
-    per layer 8h (two RMSNorm inputs and outputs, q, rotated q, k/v expanded to all heads, attention output),
-    4i (gate, SiLU, up, their product), 2·kv_dim (k before and after RoPE); 3h after the last layer (final
-    norm); the loss keeps `logit_copies` (tokens × V) tensors alive at once — 3 for the HF loss (logits,
-    log-softmax, its gradient), 1 with a chunked selective log-softmax. Eager attention also stores the
-    a×s probabilities per token per layer: pass heads and seq_len for that term.
+    A (values per token in one layer) was counted with torch's saved-tensor hooks on the transformers
+    Llama/Qwen2 decoder (SDPA attention, fp32): 8h (two RMSNorm inputs and outputs, q, rotated q, k/v
+    expanded to all heads, attention output), 4i (gate, SiLU, up, their product), 2·kv_dim (k before and
+    after RoPE); other families pass their own `layer_values` (mean over layers) and `layer_max`
+    (Arch.activation_values_per_token). 3h after the last layer (final norm); the loss keeps `logit_copies`
+    (tokens × V) tensors alive at once — 3 for the HF loss (logits, log-softmax, its gradient), 1 with a
+    chunked selective log-softmax. Eager attention also stores the a×s probabilities per token per layer:
+    pass heads and seq_len for that term. Gradient checkpointing keeps only each layer's input (h per
+    token per layer) and recomputes one layer at a time in backward, whose A_max values are alive then.
     """
-    per_token = layers * (8 * hidden + 4 * intermediate + 2 * kv_dim + heads * seq_len) + 3 * hidden + logit_copies * vocab
-    return bytes_per_value * tokens * per_token
+    mean = layer_values if layer_values is not None else 8 * hidden + 4 * intermediate + 2 * kv_dim
+    largest = layer_max if layer_max is not None else mean
+    probs = heads * seq_len  # eager attention's probabilities, per token per layer
+    kept = layers * hidden + largest + probs if checkpointing else layers * (mean + probs)
+    return bytes_per_value * tokens * (kept + 3 * hidden + logit_copies * vocab)
 
 
 def optimizer_temp_bytes(trainable: float) -> float:
@@ -65,10 +73,11 @@ def optimizer_temp_bytes(trainable: float) -> float:
 # ---------------------------------------------------------------------------- FLOPs and time
 
 
-def train_flops_per_param(trainable_fraction: float = 1.0) -> float:
+def train_flops_per_param(trainable_fraction: float = 1.0, checkpointing: bool = False) -> float:
     """Forward 2 + backward 4 = 6 per parameter per token (Kaplan 2020). Backward = activation gradients 2 +
-    weight gradients 2; frozen weights (LoRA) skip theirs: 4 + 2·(trainable fraction)."""
-    return 4 + 2 * trainable_fraction
+    weight gradients 2; frozen weights (LoRA) skip theirs: 4 + 2·(trainable fraction). Gradient
+    checkpointing runs the forward once more in backward: + 2 (full fine-tuning 8; LoRA 6 + 2·fraction)."""
+    return 4 + 2 * trainable_fraction + (2 if checkpointing else 0)
 
 
 def seconds(flops: float, peak_flops: float, mfu: float, devices: int = 1) -> float:

@@ -33,66 +33,113 @@ def human_seconds(s: float | None) -> str:
     return f"{s / 3600:,.1f} h"
 
 
+def _g(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3g}"
+
+
+def _savers(p: dict) -> str:
+    """LoRA (rank, targets, adapter size) and gradient checkpointing, as the plan used them."""
+    parts = []
+    lo = p.get("lora")
+    if lo:
+        targets = lo["targets"] if isinstance(lo["targets"], str) else ",".join(lo["targets"])
+        names = f" ({','.join(lo['target_names'])})" if lo.get("target_names") and isinstance(lo["targets"], str) else ""
+        size = "size unknown" if lo["params"] is None else f"{human_count(lo['params'])} trainable" + (
+            f" = {100 * lo['fraction_of_base']:.2f}% of the base" if lo.get("fraction_of_base") is not None else "")
+        parts.append(f"LoRA r={lo['r']} on {targets}{names}: {size}")
+    if p.get("gradient_checkpointing"):
+        parts.append("gradient checkpointing (layer inputs kept, one layer recomputed; +2 FLOPs/param/token)")
+    return "; ".join(parts) or "none (full fine-tuning, activations kept)"
+
+
 def render(p: dict) -> str:
-    """Sections: model, models in memory, per-step tokens and FLOPs, time, then method extras."""
-    rows: list[tuple[str, str]] = []
-    add = rows.append
-    opts = p["options"]
-    add(("model", f"{p['model']['name']} ({p['model']['source']}), {human_count(p['params'])} params"))
+    """Sections: model, models in memory, per-step tokens and FLOPs, time, method extras, then notes."""
+    rows = [*_model_rows(p), ("", ""), *_memory_rows(p), ("", ""), *_compute_rows(p), *_extra_rows(p), *_note_rows(p)]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" if k or v else "" for k, v in rows)
+
+
+def _model_rows(p: dict) -> list[tuple[str, str]]:
+    opts, active = p["options"], p.get("active_params")
+    moe = f" ({human_count(active)} active per token)" if active is not None and active != p["params"] else ""
     shown = {"β": opts["beta"], "reward": opts["reward"], "value model": opts["value_model"] or None,
              "precomputed reference": opts["precompute_ref"], "distill": opts["distill"]}
-    add(("method", "  ".join([p["method"], *(f"{k}={v}" for k, v in shown.items() if v is not None)])))
-    if p["lora"]:
-        lo = p["lora"]
-        add(("LoRA", f"r={lo['r']} on {','.join(lo['targets'])}: {human_count(lo['params'])} trainable "
-             f"= {100 * lo['fraction_of_base']:.2f}% of the base"))
-    add(("", ""))
+    return [("model", f"{p['model']['name']} ({p['model']['source']}), {human_count(p['params'])} params{moe}"),
+            ("method", "  ".join([p["method"], *(f"{k}={v}" for k, v in shown.items() if v is not None)])),
+            ("memory savers", _savers(p))]
+
+
+def _memory_rows(p: dict) -> list[tuple[str, str]]:
+    rows = []
     for m in p["models"]:
         state = "train" if m["trainable"] else "frozen"
         size = "shared with the policy (adapter disabled)" if m.get("shared_with") else human_bytes(m["bytes"])
-        add((f"  {m['role']}", f"{human_count(m['params'])} params, {state}: {size}"))
-    add(("models in memory", f"{p['models_in_memory']}, model states {human_bytes(p['memory_bytes_total'])}"))
-    add(("KV per token", human_bytes(p["kv_bytes_per_token"])))
+        rows.append((f"  {m['role']}", f"{human_count(m['params'])} params, {state}: {size}"))
+    rows.append(("models in memory", f"{p['models_in_memory']}, model states {human_bytes(p['memory_bytes_total'])}"))
+    arch = p["model"]["architecture"] or {}
+    sliding = f" ({arch['sliding_layers']} of {arch['num_hidden_layers']} layers keep at most {arch['sliding_window']:,} tokens)" \
+        if arch.get("sliding_layers") else ""
+    rows.append(("KV per token", human_bytes(p["kv_bytes_per_token"]) + sliding))
     if p["kv_bytes_step"] is not None:
-        add(("KV for the step", f"{human_bytes(p['kv_bytes_step'])} (all {p['sequences_per_step']:,} sequences in flight)"))
-    add(("activations", f"{human_bytes(p['activation_bytes'])} (micro-batch of {p['micro_batch']:,} sequences, no checkpointing)"))
-    add(("peak estimate", human_bytes(p["peak_bytes_estimate"])))
-    add(("", ""))
-    add(("sequences / step", f"{p['sequences_per_step']:,} (group {p['group']})"))
-    add(("tokens / step", f"{human_count(p['tokens_per_step'])} ({human_count(p['generated_tokens_per_step'])} generated)"))
-    add(("FLOPs / token", f"{p['flops_per_token']:.3g} = {p['flops_per_token_over_params']:.3g}N"))
+        rows.append(("KV for the step", f"{human_bytes(p['kv_bytes_step'])} (all {p['sequences_per_step']:,} sequences in flight)"))
+    ckpt = "gradient checkpointing" if p.get("gradient_checkpointing") else "no checkpointing"
+    rows.append(("activations", f"{human_bytes(p['activation_bytes'])} (micro-batch of {p['micro_batch']:,} sequences, {ckpt})"))
+    rows.append(("peak estimate", human_bytes(p["peak_bytes_estimate"])))
+    return rows
+
+
+def _compute_rows(p: dict) -> list[tuple[str, str]]:
+    active = p.get("active_params")
+    n = "N" if active is None or active == p["params"] else "N_active"
+    rows = [("sequences / step", f"{p['sequences_per_step']:,} (group {p['group']})"),
+            ("tokens / step", f"{human_count(p['tokens_per_step'])} ({human_count(p['generated_tokens_per_step'])} generated)"),
+            ("FLOPs / token", f"{_g(p['flops_per_token'])} = {_g(p['flops_per_token_over_params'])}{n}")]
     for ph in p["phases"]:
-        add((f"  {ph['phase']}", f"{ph['flops_per_step']:.3g} FLOPs on the {ph['role']}"))
-    add(("FLOPs / step", f"{p['flops_per_step']:.3g}"))
+        rows.append((f"  {ph['phase']}", f"{_g(ph['flops_per_step'])} FLOPs on the {ph['role']} "
+                     f"({ph['flops_per_param']:.3g}/param/token)"))
+    rows.append(("FLOPs / step", _g(p["flops_per_step"])))
     hw = p["hardware"]
     if hw and hw["peak_flops"]:
-        add(("hardware", f"{hw['name'] or 'custom'}: {hw['peak_flops']:.3g} FLOP/s × MFU {hw['mfu']} × {hw['devices']} device(s)"))
-    add(("time / step", human_seconds(p["seconds_per_step"])))
+        rows.append(("hardware", f"{hw['name'] or 'custom'}: {hw['peak_flops']:.3g} FLOP/s × MFU {hw['mfu']} × {hw['devices']} device(s)"))
+    rows.append(("time / step", human_seconds(p["seconds_per_step"])))
     if p.get("devices_for_memory") is not None:
-        add(("devices for states", f"{p['devices_for_memory']} × {human_bytes(hw['device_memory'])}"))
+        rows.append(("devices for states", f"{p['devices_for_memory']} × {human_bytes(hw['device_memory'])}"))
     if p["run"]:
         run = p["run"]
-        add(("run", f"{human_count(run['tokens'])} tokens, {run['steps']:,.1f} steps, {run['flops']:.3g} FLOPs"))
+        rows.append(("run", f"{human_count(run['tokens'])} tokens, {run['steps']:,.1f} steps, {_g(run['flops'])} FLOPs"))
         if "gpu_hours" in run:
-            add(("run time", f"{human_seconds(run['seconds'])} wall, {run['gpu_hours']:,.1f} device-hours"))
+            rows.append(("run time", f"{human_seconds(run['seconds'])} wall, {run['gpu_hours']:,.1f} device-hours"))
+    return rows
+
+
+def _extra_rows(p: dict) -> list[tuple[str, str]]:
+    """Agent trajectories, distillation's teacher logits and cache, the BoN bound, an eval interval."""
+    rows = []
     if "agent" in p:
         a = p["agent"]
-        add(("agent context", f"{a['context_tokens']:,} tokens per trajectory, {a['generated_tokens']:,} generated "
-             f"({100 * a['generated_share']:.1f}%)"))
-        add(("cost / useful token", f"{a['cost_per_useful_token']:.2f}× single-turn; prefill {a['prefill_tokens_no_cache']:,} "
-             f"without prefix cache vs {a['prefill_tokens_prefix_cache']:,} with"))
+        rows.append(("agent context", f"{a['context_tokens']:,} tokens per trajectory, {a['generated_tokens']:,} generated "
+                     f"({100 * a['generated_share']:.1f}%)"))
+        rows.append(("cost / useful token", f"{a['cost_per_useful_token']:.2f}× single-turn; prefill {a['prefill_tokens_no_cache']:,} "
+                     f"without prefix cache vs {a['prefill_tokens_prefix_cache']:,} with"))
     if "distill" in p:
         d = p["distill"]
-        add(("teacher logits", f"full vocabulary {human_bytes(d['logit_bytes_per_token_full'])}/token, "
-             f"top-{d['top_k']} {human_bytes(d['logit_bytes_per_token_topk'])}/token"))
+        rows.append(("teacher logits", f"full vocabulary {human_bytes(d['logit_bytes_per_token_full'])}/token, "
+                     f"top-{d['top_k']} {human_bytes(d['logit_bytes_per_token_topk'])}/token"))
         if "cache_bytes_per_token" in d:
             size = f"; {human_bytes(d['cache_bytes'])} for {human_count(d['cache_tokens'])} tokens, teacher forward " \
-                   f"{d['teacher_flops_once']:.3g} FLOPs once" if "cache_bytes" in d else ""
-            add(("teacher cache", f"top-{d['top_k']} + tail {human_bytes(d['cache_bytes_per_token'])}/token{size}"))
+                   f"{_g(d['teacher_flops_once'])} FLOPs once" if "cache_bytes" in d else ""
+            rows.append(("teacher cache", f"top-{d['top_k']} + tail {human_bytes(d['cache_bytes_per_token'])}/token{size}"))
     if "bon_kl_nats" in p:
-        add(("BoN KL bound", f"log N − (N−1)/N = {p['bon_kl_nats']:.2f} nats at N = {p['group']}"))
+        rows.append(("BoN KL bound", f"log N − (N−1)/N = {p['bon_kl_nats']:.2f} nats at N = {p['group']}"))
     if "eval" in p:
         e = p["eval"]
-        add(("eval 95% CI", f"±{100 * e['ci95_half_width']:.2f} points at p = {e['p']}, n = {e['n']:,}"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k.ljust(width)}  {v}" if k or v else "" for k, v in rows)
+        rows.append(("eval 95% CI", f"±{100 * e['ci95_half_width']:.2f} points at p = {e['p']}, n = {e['n']:,}"))
+    return rows
+
+
+def _note_rows(p: dict) -> list[tuple[str, str]]:
+    """How the plan counted where not exactly (notes), and what it could not predict, with why."""
+    notes = [("notes" if i == 0 else "", f"- {n}") for i, n in enumerate(p.get("notes") or [])]
+    missing = [(k, why) for k, why in (p.get("unknown") or {}).items() if k != "seconds_per_step"]  # the time line says it
+    unknown = [("not predicted" if i == 0 else "", f"{k}: {why}") for i, (k, why) in enumerate(missing)]
+    return [*([("", "")] if notes or unknown else []), *notes, *unknown]

@@ -88,7 +88,7 @@ def run_agent_eval(cfg: AgentEvalConfig) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    backend = make_backend(cfg)
+    backend = make_backend(cfg, tok)
     load_s = time.perf_counter() - t0
     groups = new_episodes(agent.make_env, [r.data for r in rows], cfg.n, agent.fmt, cfg.seed)
     stats = run_episodes(backend, agent.fmt, groups, cfg.agent, cfg.sampling, tok)

@@ -74,7 +74,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     proto = make_protocol(cfg, items, spec, ex, shots, tok)
     pool = default_pool(cfg.workers)
     t_load = time.perf_counter()
-    backend = make_backend(cfg)
+    backend = make_backend(cfg, tok)
     proto["backend"] = getattr(backend, "name", cfg.backend)  # what `auto` picked
     load_s = time.perf_counter() - t_load
     results, timing = generate_and_score(backend, items, reward_fn, cfg.sampling, cfg.n, cfg.seed, cfg.threshold, ex, pool)

@@ -404,5 +404,5 @@ def main(argv: list[str]) -> None:
     if not summary:  # ranks > 0 of a torchrun run
         return
     keys = ("first_loss", "last_loss", "final_eval_loss", "probe_loss_delta", "padding_fraction")
-    print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if k in summary))
+    print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if summary.get(k) is not None))
     print(f"run directory: {cfg.output_dir} (report.html, metrics.jsonl, final/)")

@@ -58,26 +58,27 @@ def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
     return prompts, [r.data for r in rows]
 
 
-def make_backend(cfg: GenerateConfig, model_name: str):
-    """(backend, tokenizer) for a generate/eval config: rollout/backends.py picks and builds it."""
-    from posttrain.models.loading import load_model, load_tokenizer  # torch: not for --help
+def make_backend(cfg: GenerateConfig, tok):
+    """The backend of a generate/eval config (rollout/backends.py picks and builds it); the weights load here,
+    after the prompts were checked."""
+    from posttrain.models.loading import load_model  # torch: not for --help
     from posttrain.rollout.backends import build_backend
     from posttrain.rollout.engine import EngineConfig
 
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb, seed=cfg.seed)
-    tok = load_tokenizer(model_name, cfg.chat_template)
-    if cfg.backend == "vllm":  # vLLM loads the weights itself
-        return build_backend("vllm", None, tok, ecfg, model_name=model_name, dtype=cfg.dtype), tok
-    model = load_model(model_name, dtype=cfg.dtype, device=cfg.device).eval()
-    return build_backend(cfg.backend, model, tok, ecfg, model_name=model_name, dtype=cfg.dtype), tok
+    model = None if cfg.backend == "vllm" else load_model(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()  # vLLM loads its own
+    return build_backend(cfg.backend, model, tok, ecfg, model_name=cfg.model, dtype=cfg.dtype)
 
 
 def main(argv: list[str]) -> None:
     cfg = parse_args(GenerateConfig, argv, prog="posttrain generate")
     if not cfg.data:
         raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
-    backend, tok = make_backend(cfg, cfg.model)
-    prompts, rows = read_prompts(cfg.data, tok)
+    from posttrain.models.loading import load_tokenizer  # not for --help
+
+    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    prompts, rows = read_prompts(cfg.data, tok)  # refused before the weights load
+    backend = make_backend(cfg, tok)
     requests = [Request(p, SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                           max_new_tokens=cfg.max_new_tokens, stop_strings=list(cfg.stop_strings),
                                           ignore_eos=cfg.ignore_eos, seed=cfg.seed + i), request_id=i)

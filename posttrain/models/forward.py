@@ -1,19 +1,29 @@
 """Forward passes shared by every recipe: token log-probs at loss positions only.
 
 The backbone runs once; lm_head + log-softmax run only at positions whose target is not IGNORE,
-in chunks (ops.logprobs), so a packed row of 4k tokens with 30% prompt never builds prompt logits.
+in tiles (ops.logprobs), so a packed row of 4k tokens with 30% prompt never builds prompt logits.
+
+The head is applied from its weight (`logit_head`), not through the model's forward, so what a
+causal LM's forward does to its logits after lm_head must be reproduced here: Gemma 2's
+final_logit_softcapping (z = c·tanh(z/c)), Cohere's logit_scale (z·s), Granite's logits_scaling
+(z/s) are read from the config (`head_transform`). Any other post-processing would silently train
+another distribution, so the first time a model's head is used it is checked against the model's
+own forward on a few tokens (`check_logit_head`); a mismatch raises, naming what differs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
+import torch.nn.functional as F
 
 from posttrain.data.packing import IGNORE, Batch
+from posttrain.errors import UserError
 from posttrain.ops.attention import NAME as VARLEN
 from posttrain.ops.attention import segments_from_positions
-from posttrain.ops.logprobs import chunked_logprobs
+from posttrain.ops.logprobs import HeadMap, LogitHead
 
 
 def unwrap(model):
@@ -21,9 +31,91 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def backbone_and_head(model):
+def backbone_of(model):
+    """The decoder stack (embeddings, layers, final norm) of a causal LM."""
     inner = unwrap(model)
-    return getattr(inner, inner.base_model_prefix), inner.get_output_embeddings()
+    return getattr(inner, inner.base_model_prefix)
+
+
+def backbone_and_head(model) -> tuple[torch.nn.Module, LogitHead]:
+    """(decoder stack, the model's logit head: weight, bias, scale, soft-cap; checked once per model)."""
+    return backbone_of(model), logit_head(model)
+
+
+def head_transform(config) -> tuple[float, float | None]:
+    """(scale s, soft-cap c) such that the model's logits are c·tanh(s·lm_head(h)/c) (plain s·lm_head(h)
+    without a cap), read from the config attributes transformers' causal LMs apply after lm_head."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:  # Cohere, Cohere2: logits * logit_scale
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:  # Granite: logits / logits_scaling
+        scale /= float(config.logits_scaling)
+    cap = getattr(config, "final_logit_softcapping", None)  # Gemma 2 (and others): tanh(z / c) * c
+    return scale, (float(cap) if cap else None)
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> True once its head matched
+
+
+def logit_head(model) -> LogitHead:
+    """The head of `model` as ops.logprobs applies it, with the tensors of this call (build one per forward)."""
+    inner = unwrap(model)
+    lm_head = inner.get_output_embeddings()
+    scale, cap = head_transform(inner.config)
+    head = LogitHead(lm_head.weight, getattr(lm_head, "bias", None), scale, cap)
+    if inner not in _checked:
+        check_logit_head(inner, head)
+        _checked[inner] = True
+    return head
+
+
+@torch.no_grad()
+def check_logit_head(inner, head: LogitHead, tokens: int = 8) -> None:
+    """Run the model's own forward on `tokens` fixed ids and check, on the tensors it computed, that
+    (1) lm_head receives the backbone's last hidden states unchanged, (2) lm_head is the linear map of
+    its weight and bias, (3) the returned logits are the scale / soft-cap of lm_head's output that
+    `head` applies. Tolerance: 4 ulps of the logits' dtype relative to their size (a missing cap of c
+    changes a logit z by z - c·tanh(z/c), a missing scale by a factor). Raises UserError otherwise."""
+    seen: dict = {}
+    backbone, lm_head = backbone_of(inner), inner.get_output_embeddings()
+
+    def on_backbone(module, args, out):  # a forward hook must return None (anything else replaces the output)
+        seen["h"] = _last_hidden(out)
+
+    def on_head(module, args, out):
+        seen.update(x=args[0], u=out)
+
+    hooks = [backbone.register_forward_hook(on_backbone), lm_head.register_forward_hook(on_head)]
+    vocab = head.weight.shape[0]
+    ids = ((torch.arange(tokens) * 7919 + 11) % vocab)[None].to(head.weight.device)
+    try:
+        with torch.autocast(ids.device.type, enabled=False):
+            logits = inner(input_ids=ids, use_cache=False).logits
+    finally:
+        for hk in hooks:
+            hk.remove()
+    name = type(inner).__name__
+    if "u" not in seen or "h" not in seen:
+        raise UserError(f"{name}: its forward does not call its output embeddings and backbone as modules; "
+                        "posttrain cannot check that its log-probs match the model's logits")
+    u = seen["u"]
+    checks = (("the hidden states lm_head receives", seen["x"], seen["h"]),
+              ("lm_head's output", u, F.linear(seen["x"], head.weight, head.bias)),
+              (f"the logits (posttrain applies scale {head.scale}, soft-cap {head.softcap})", logits,
+               HeadMap(head.scale, head.softcap).apply(u.float())[0]))
+    for what, got, want in checks:
+        got, want = got.float().reshape(want.shape), want.float()
+        tol = 4 * torch.finfo(logits.dtype).eps * max(1.0, float(want.abs().max()))
+        err = float((got - want).abs().max())
+        if err > tol:
+            raise UserError(f"{name} post-processes its logits in a way posttrain's log-prob head does not reproduce: "
+                            f"{what} differ by {err:.3g} (tolerance {tol:.3g}); add its transform to "
+                            "posttrain.models.forward.head_transform")
+
+
+def _last_hidden(out):
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 MIXED_PRECISION = ("none", "bf16")
@@ -48,7 +140,7 @@ def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=Non
 
     Under mixed precision the residual stream and the final norm stay fp32 (fp32 embeddings + bf16
     matmul outputs promote to fp32), so the returned states are fp32."""
-    backbone, _ = backbone_and_head(model)
+    backbone = backbone_of(model)
     extra = {}
     if getattr(unwrap(model).config, "_attn_implementation", None) == VARLEN:
         if layout is not None:
@@ -65,7 +157,7 @@ def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=Non
             use_cache=False,
             **extra,
         )
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return _last_hidden(out)
 
 
 def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False, chunk: int = 1024,
@@ -74,10 +166,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
 
     lm_head + log-softmax always run in the head's own dtype (fp32 for fp32 weights), also under
     mixed precision: bf16 logits would err by ~0.1 nat at |z| ~ 20."""
-    _, head = backbone_and_head(model)
+    head = logit_head(model)
     h = hidden_states(model, batch, mixed_precision)
     sel = batch.targets != IGNORE  # (B, T)
-    return chunked_logprobs(
-        h[sel], head.weight, batch.targets[sel], bias=head.bias,
-        temperature=temperature, chunk=chunk, with_entropy=with_entropy,
-    )
+    return head.logprobs(h[sel], batch.targets[sel], temperature, with_entropy=with_entropy, chunk=chunk)

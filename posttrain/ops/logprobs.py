@@ -1,48 +1,126 @@
-"""Log-probabilities of chosen tokens without materialising (tokens x vocab) logits at once.
+"""Log-probabilities of chosen tokens without materialising (tokens x vocab) logits.
 
-    logp[i] = h_i·w_{y_i} / T − logsumexp_v(h_i·w_v / T)
+The head maps a last hidden state h to logits as the model's own forward does (`LogitHead`):
 
-The forward runs over chunks of rows and keeps only the log-normaliser per row (N floats); the
-backward recomputes each chunk's logits (when all rows fit in one chunk, the forward's softmax is
-kept instead: one (N x V) buffer, no second lm_head matmul) and applies
-    ∂logp_i/∂z_iv = (1[v = y_i] − softmax(z_i)_v) / T
-so peak memory is one chunk of logits, not N × V (for SmolLM2, 4096 tokens × 49152 × 4 B = 805 MB).
-Entropy of the full distribution is returned as a detached metric on request.
+    u = h·Wᵀ + b,   z = c·tanh(s·u / c) / T      (s: the model's logit scale, c: its final soft-cap; T: temperature)
+    logp[i] = z_{i,y_i} − logsumexp_v z_{i,v}
+
+The forward runs over tiles of (rows x vocabulary columns) and keeps only each row's log-normaliser
+(an online logsumexp over the column tiles, N floats); the backward recomputes each tile's logits
+and applies
+    ∂logp_i/∂u_iv = (1[v = y_i] − softmax(z_i)_v) · s·(1 − tanh²(s·u_iv / c)) / T
+so the memory of the head is one tile of logits, never N × V (Gemma 3: 4096 tokens × 262,144 × 4 B =
+4.3 GB). A tile holds at most `tile_elements` numbers: 8x the hidden-state rows it is computed from,
+between 1 MB and 128 MB in fp32, whatever the vocabulary. When the whole (N, V) softmax is no
+larger than the head's weight matrix (N <= hidden size) and than 128 MB, the forward keeps it for
+the backward instead (no second head matmul). Entropy of the full distribution is returned as a
+detached metric on request (online too: H = lse − Σ p z).
+
+Sampling with top-k / top-p draws from a kept set that only the whole row's logits define:
+`chunked_kept_logprobs` runs `ops.sampling.trainer_logprobs` on row chunks of at most KEEP_MAX
+logits, each chunk checkpointed (recomputed in backward), so that path is bounded by a constant too.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-KEEP_MAX = 2**25  # elements (128 MB in fp32) of softmax the forward may hand to the backward
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.ops.sampling import trainer_logprobs
+
+KEEP_MAX = 2**25  # elements (128 MB in fp32): the most logits one tile, a kept softmax or a kept-set chunk holds
+TILE_MIN = 2**18  # elements (1 MB in fp32): the smallest tile, so a tiny hidden size does not mean 1-column tiles
+TILE_PER_HIDDEN = 8  # a tile holds at most 8x the numbers of the hidden-state rows it is computed from
+
+
+def tile_elements(rows: int, hidden: int) -> int:
+    """The most logits one tile holds for `rows` hidden-state rows of width `hidden`."""
+    return min(KEEP_MAX, max(TILE_MIN, TILE_PER_HIDDEN * rows * hidden))
+
+
+@dataclass(frozen=True)
+class HeadMap:
+    """The scalar part of the head: u (logits of the linear layer) -> z = c·tanh(s·u/c) / T."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    def apply(self, u: torch.Tensor, slope: bool = False):
+        """z (same shape as u, in place where possible) and, with `slope`, dz/du (a tensor, or a float)."""
+        a = u * self.scale if self.scale != 1.0 else u
+        if self.softcap is None:
+            z = a / self.temperature if self.temperature != 1.0 else a
+            return z, (self.scale / self.temperature if slope else None)
+        t = torch.tanh(a / self.softcap)
+        z = t * (self.softcap / self.temperature)
+        return z, (t.square().neg_().add_(1).mul_(self.scale / self.temperature) if slope else None)
+
+
+def _tile(h, weight, bias, v0: int, v1: int, hm: HeadMap, slope: bool = False):
+    """Logits z (r, v1 − v0) in the accumulation dtype of the column tile [v0, v1), and dz/du on request."""
+    u = h @ weight[v0:v1].t()
+    if bias is not None:
+        u = u + bias[v0:v1]
+    return hm.apply(u.to(_acc(h.dtype)), slope)
+
+
+def _target_in_tile(targets, v0: int, v1: int):
+    """(rows whose target lies in [v0, v1), their column within the tile)."""
+    rows = ((targets >= v0) & (targets < v1)).nonzero().squeeze(1)
+    return rows, targets[rows] - v0
+
+
+def _row_forward(h, weight, bias, targets, hm: HeadMap, cols: int, want_entropy: bool):
+    """One chunk of rows: (logp (r,), lse (r,), entropy (r,) | None) by an online logsumexp over column tiles:
+    m = running max, s = Σ e^(z−m), t = Σ e^(z−m)·z; at the end lse = m + log s, Σ p z = t / s."""
+    r, V = h.shape[0], weight.shape[0]
+    acc = _acc(h.dtype)
+    m = torch.full((r,), float("-inf"), dtype=acc, device=h.device)
+    s, zt = torch.zeros_like(m), torch.zeros_like(m)
+    t = torch.zeros_like(m) if want_entropy else None
+    for v0 in range(0, V, cols):
+        v1 = min(V, v0 + cols)
+        z, _ = _tile(h, weight, bias, v0, v1, hm)
+        m_new = torch.maximum(m, z.amax(1))
+        alpha = torch.exp(m - m_new)
+        e = torch.exp(z - m_new[:, None])
+        s = s * alpha + e.sum(1)
+        if want_entropy:
+            t = t * alpha + (e * z).sum(1)
+        rows, col = _target_in_tile(targets, v0, v1)
+        zt[rows] = z[rows, col]
+        m = m_new
+    lse = m + torch.log(s)
+    return zt - lse, lse, (lse - t / s if want_entropy else None)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, hm, chunk, want_entropy):
         # hidden (N, H), weight (V, H), bias (V,) | None, targets (N,)
-        n = hidden.shape[0]
-        acc = _acc(hidden.dtype)
-        logp = hidden.new_empty(n, dtype=acc)
-        lse = hidden.new_empty(n, dtype=acc)
-        entropy = hidden.new_empty(n, dtype=acc) if want_entropy else None
-        # one chunk of at most KEEP_MAX elements: keep its softmax for backward instead of recomputing the logits
-        keep = n <= chunk and n * weight.shape[0] <= KEEP_MAX
-        probs = None
-        for s in range(0, n, chunk):
-            z = _logits(hidden[s : s + chunk], weight, bias, temperature)  # (c, V) fp32
-            norm = torch.logsumexp(z, dim=-1)
-            lse[s : s + chunk] = norm
-            logp[s : s + chunk] = z.gather(1, targets[s : s + chunk, None]).squeeze(1) - norm
-            if want_entropy or keep:
-                p = torch.exp(z - norm[:, None])
-                if want_entropy:
-                    entropy[s : s + chunk] = norm - (p * z).sum(-1)  # H = lse − Σ p z
-                if keep:
-                    probs = p
+        n, H = hidden.shape
+        V = weight.shape[0]
+        rows = max(1, min(n, chunk))
+        cols = max(1, tile_elements(rows, H) // rows)
+        keep = n <= rows and n <= H and n * V <= KEEP_MAX  # the softmax no larger than W itself: keep it
+        if keep:
+            z, slope = _tile(hidden, weight, bias, 0, V, hm, slope=True)
+            lse = torch.logsumexp(z, -1)
+            logp = z.gather(1, targets[:, None]).squeeze(1) - lse
+            probs = torch.exp(z - lse[:, None])
+            entropy = lse - (probs * z).sum(-1) if want_entropy else None
+            ctx.kept = (probs, slope)  # used once by the backward, then freed
+        else:
+            parts = [_row_forward(hidden[s : s + rows], weight, bias, targets[s : s + rows], hm, cols, want_entropy)
+                     for s in range(0, n, rows)]
+            logp, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            entropy = torch.cat([p[2] for p in parts]) if want_entropy else None
+            ctx.kept = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.probs = probs  # (n, V) softmax when n <= chunk, else None (backward recomputes per chunk)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.hm, ctx.rows, ctx.cols = hm, rows, (V if keep else cols)  # a recomputing backward tiles as the forward did
         if want_entropy:
             ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -50,45 +128,50 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
-        grad_h = torch.empty_like(hidden) if need_h else None
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         acc = _acc(hidden.dtype)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
-        for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
-            g = grad_logp[s : s + chunk].to(acc)
-            if ctx.probs is not None:  # the forward's softmax (a single chunk), used once and freed
-                dz, ctx.probs = ctx.probs.mul_(-g[:, None]), None
-            else:
-                z = _logits(h, weight, bias, t)
-                dz = torch.exp(z - lse[s : s + chunk, None]).mul_(-g[:, None])
-            # dL/dz = g * (onehot − softmax) / T
-            dz.scatter_add_(1, targets[s : s + chunk, None], g[:, None])
-            dz.div_(t)
-            if need_h:
-                grad_h[s : s + chunk] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
-            if need_w:
-                grad_w.addmm_(dz.t(), h.to(acc))
-            if need_b:
-                grad_b += dz.sum(0)
-        grad_w = grad_w.to(weight.dtype) if need_w else None
-        grad_b = grad_b.to(bias.dtype) if need_b else None
+        grad_h = torch.empty_like(hidden) if need[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need[2] else None
+        kept, ctx.kept = ctx.kept, None
+        V, rows = weight.shape[0], ctx.rows
+        cols = ctx.cols
+        for s in range(0, hidden.shape[0], rows):
+            h, g = hidden[s : s + rows], grad_logp[s : s + rows].to(acc)
+            h_acc = h.to(acc) if need[1] else None
+            gh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
+            for v0 in range(0, V, cols):
+                v1 = min(V, v0 + cols)
+                if kept is not None:  # the forward's softmax and slope (one tile), used once
+                    (p, slope), kept = kept, None
+                else:
+                    z, slope = _tile(h, weight, bias, v0, v1, ctx.hm, slope=True)
+                    p = torch.exp(z.sub_(lse[s : s + rows, None]))
+                dz = _tile_grad(p, g, targets[s : s + rows], v0, v1, slope)  # dL/du of the tile (r, c)
+                if need[0]:
+                    gh += dz.to(weight.dtype) @ weight[v0:v1]
+                if need[1]:
+                    grad_w[v0:v1].addmm_(dz.t(), h_acc)
+                if need[2]:
+                    grad_b[v0:v1] += dz.sum(0)
+            if need[0]:
+                grad_h[s : s + rows] = gh.to(hidden.dtype)
+        grad_w = grad_w.to(weight.dtype) if need[1] else None
+        grad_b = grad_b.to(bias.dtype) if need[2] else None
         return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _tile_grad(p, g, targets, v0: int, v1: int, slope):
+    """dL/du = g·(1[v = y] − p)·dz/du on one tile; p (r, c) is overwritten."""
+    dz = p.mul_(-g[:, None])
+    rows, col = _target_in_tile(targets, v0, v1)
+    dz[rows, col] += g[rows]
+    return dz.mul_(slope) if not (isinstance(slope, float) and slope == 1.0) else dz
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: fp32, or fp64 when the inputs are fp64 (gradcheck)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float) -> torch.Tensor:
-    z = h @ weight.t()
-    if bias is not None:
-        z = z + bias
-    z = z.to(_acc(h.dtype))
-    return z / temperature if temperature != 1.0 else z
 
 
 def chunked_logprobs(
@@ -99,14 +182,73 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk: int = 1024,
     with_entropy: bool = False,
+    scale: float = 1.0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logp (N,), entropy (N,) | None) of `targets` under softmax(hidden @ weight.T / temperature)."""
+    """(logp (N,), entropy (N,) | None) of `targets` under softmax(c·tanh(s·(hidden @ weight.T + bias)/c) / T).
+    `chunk`: the most rows a tile spans."""
+    hm = HeadMap(float(scale), None if softcap is None else float(softcap), float(temperature))
     with torch.autocast(hidden.device.type, enabled=False):  # the head runs in its own dtype, never autocast
-        return _ChunkedLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, float(temperature), int(chunk),
-                                      bool(with_entropy))
+        return _ChunkedLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, hm, int(chunk), bool(with_entropy))
 
 
-def reference_logprobs(hidden, weight, targets, bias=None, temperature: float = 1.0):
+def head_logits(hidden, weight, bias=None, scale: float = 1.0, softcap: float | None = None,
+                temperature: float = 1.0) -> torch.Tensor:
+    """The full logits z (N, V) in fp32 (the head in its own dtype, never autocast): for callers that need
+    the whole distribution of a few rows (a divergence, a kept set); (N x V) memory."""
+    hm = HeadMap(float(scale), None if softcap is None else float(softcap), float(temperature))
+    with torch.autocast(hidden.device.type, enabled=False):
+        u = hidden.to(weight.dtype) @ weight.t()
+        if bias is not None:
+            u = u + bias
+        return hm.apply(u.float() if u.dtype != torch.float64 else u)[0]
+
+
+def chunked_kept_logprobs(hidden, weight, targets, kept, bias=None, temperature: float = 1.0, scale: float = 1.0,
+                          softcap: float | None = None, chunk: int = 1024, with_entropy: bool = False):
+    """`ops.sampling.trainer_logprobs` (the kept-set log-probs of a top-k / top-p draw) over row chunks of at
+    most KEEP_MAX logits, each chunk checkpointed: (N, V) logits never exist at once, in forward or backward."""
+    rows = max(1, min(chunk, KEEP_MAX // weight.shape[0]))
+
+    def part(h, t, k):  # (r, H), (r,), (r,) -> logp (r,), entropy (r,) | None
+        z = head_logits(h, weight, bias, scale, softcap)
+        return trainer_logprobs(z, t, temperature, kept=k, with_entropy=with_entropy)
+
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    outs = [checkpoint(part, h, t, k, use_reentrant=False) if grad else part(h, t, k)
+            for h, t, k in zip(hidden.split(rows), targets.split(rows), kept.split(rows))]
+    logp = torch.cat([o[0] for o in outs])
+    return logp, (torch.cat([o[1].detach() for o in outs]) if with_entropy else None)
+
+
+@dataclass(frozen=True)
+class LogitHead:
+    """What turns a model's last hidden states into its logits: z = c·tanh(s·(h·Wᵀ + b)/c) (models.forward.logit_head
+    reads s and c from the model and checks them against its forward). Holds the tensors of one call (under FSDP
+    the gathered weight): build one per forward."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Full logits (M, V) fp32 of `hidden` (M, H)."""
+        return head_logits(hidden, self.weight, self.bias, self.scale, self.softcap, temperature)
+
+    def logprobs(self, hidden, targets, temperature: float = 1.0, kept: torch.Tensor | None = None,
+                 with_entropy: bool = False, chunk: int = 1024):
+        """(logp (M,), entropy (M,) | None) of `targets`: the temperature-only distribution, or with `kept`
+        (the engine's kept-set sizes, 0 = not truncated) the set each token was drawn from."""
+        if kept is not None and bool((kept > 0).any()):
+            return chunked_kept_logprobs(hidden, self.weight, targets, kept, self.bias, temperature, self.scale,
+                                         self.softcap, chunk, with_entropy)
+        return chunked_logprobs(hidden, self.weight, targets, self.bias, temperature, chunk, with_entropy,
+                                self.scale, self.softcap)
+
+
+def reference_logprobs(hidden, weight, targets, bias=None, temperature: float = 1.0, scale: float = 1.0,
+                       softcap: float | None = None):
     """The plain (full logits) computation; used by tests as the definition."""
-    z = _logits(hidden, weight, bias, temperature)
+    z = head_logits(hidden, weight, bias, scale, softcap, temperature)
     return torch.log_softmax(z, -1).gather(1, targets[:, None]).squeeze(1)

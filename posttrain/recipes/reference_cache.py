@@ -25,7 +25,6 @@ import torch
 
 from posttrain.data.prefix_batch import Group, PrefixBatch, micro_batches
 from posttrain.models.forward import backbone_and_head, hidden_states
-from posttrain.ops.logprobs import chunked_logprobs
 from posttrain.systems.fsdp import apply
 
 Key = tuple  # e.g. ("train", example index, continuation index) or ("kl", prompt index, completion index)
@@ -37,7 +36,7 @@ def sequence_logps(model, batch: PrefixBatch, mixed_precision: str = "none") -> 
     _, head = backbone_and_head(model)
     h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H)
-    logp, _ = chunked_logprobs(h, head.weight, batch.targets, bias=head.bias)  # (M,)
+    logp, _ = head.logprobs(h, batch.targets)  # (M,) the model's logit transform (soft-cap, scale) included
     return batch.sums(logp)
 
 

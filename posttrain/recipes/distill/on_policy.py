@@ -34,8 +34,6 @@ from posttrain.algos import distill_losses
 from posttrain.config import save_yaml
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, unwrap
-from posttrain.ops.logprobs import chunked_logprobs
-from posttrain.ops.sampling import trainer_logprobs
 from posttrain.plan import predict
 from posttrain.plan.measure import write_plan
 from posttrain.recipes import rl
@@ -43,7 +41,6 @@ from posttrain.recipes.distill.config import NO_REWARD, DistillConfig
 from posttrain.recipes.distill.teacher import (
     check_same_vocab_size,
     chunked_backward,
-    head_logits,
     load_checked_tokenizers,
     position_hidden,
     position_logits,
@@ -174,10 +171,7 @@ def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict, rl_metrics
     sampling distribution (temperature, kept set) from the same hidden states. -> (loss, {}); the policy
     loss's metrics go to `rl_metrics`."""
     r, temp = run.rl, run.rl.cfg.sampling.temperature
-    if b.kept is not None and bool((b.kept > 0).any()):
-        logp, _ = trainer_logprobs(head_logits(head, hd), b.targets, temp, kept=b.kept)
-    else:
-        logp, _ = chunked_logprobs(hd, head.weight, b.targets, bias=head.bias, temperature=temp)
+    logp, _ = head.logprobs(hd, b.targets, temp, kept=b.kept)  # the model's soft-cap / scale; never (M x V) at once
     logp = b.spread(logp)  # (S, L)
     b.old_logp = logp.detach()  # strictly on-policy: one pass over the samples
     loss, metrics = ph.batch_loss(logp, b, r.loss_fn, r.cfg, 0.0, r.cfg.kl_estimator, r.tis_cap, norms)

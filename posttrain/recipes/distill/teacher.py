@@ -120,12 +120,9 @@ def position_hidden(model, batch, mixed_precision: str, positions: torch.Tensor,
 
 
 def head_logits(head, h: torch.Tensor) -> torch.Tensor:
-    """lm_head in its own dtype, fp32 out (bf16 logits would err by ~0.1 nat at |z| ~ 20)  # (M, V)."""
-    with torch.autocast(h.device.type, enabled=False):
-        z = h.to(head.weight.dtype) @ head.weight.t()
-        if head.bias is not None:
-            z = z + head.bias
-    return z.float()
+    """The model's logits (M, V) fp32: `head` (models.forward.logit_head) in its own dtype, its soft-cap and
+    scale included (bf16 logits would err by ~0.1 nat at |z| ~ 20)."""
+    return head.logits(h)
 
 
 @torch.no_grad()

@@ -21,8 +21,6 @@ from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.models.lora import reference_view
-from posttrain.ops.logprobs import chunked_logprobs
-from posttrain.ops.sampling import trainer_logprobs
 from posttrain.rollout.trajectory import RLBatch, Trajectory
 from posttrain.rollout.types import Request
 
@@ -149,15 +147,9 @@ def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str
     _, head = backbone_and_head(model)
     h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H) only where a loss token is predicted
-    if truncated and batch.kept is not None and bool((batch.kept > 0).any()):
-        with torch.autocast(h.device.type, enabled=False):
-            logits = h.to(head.weight.dtype) @ head.weight.t()
-            if head.bias is not None:
-                logits = logits + head.bias
-            logp, ent = trainer_logprobs(logits, batch.targets, temperature, kept=batch.kept, with_entropy=with_entropy)
-    else:
-        logp, ent = chunked_logprobs(h, head.weight, batch.targets, bias=head.bias, temperature=temperature,
-                                     with_entropy=with_entropy)
+    # the model's own logit transform (soft-cap, scale), in tiles: never (M x V) logits at once
+    logp, ent = head.logprobs(h, batch.targets, temperature, kept=batch.kept if truncated else None,
+                              with_entropy=with_entropy)
     return batch.spread(logp), (batch.spread(ent.detach()) if ent is not None else None)
 
 

@@ -103,6 +103,11 @@ def chat_template_field() -> Any:
     return Field("", description=CHAT_TEMPLATE_HELP)
 
 
+def chat_template_args_field() -> Any:
+    return Field(default_factory=dict, description="variables the chat template reads, fixed for every render, "
+                                                    "e.g. {enable_thinking: false} (Qwen3 without thinking)")
+
+
 class CommonConfig(Config):
     """Keys every recipe shares."""
 
@@ -119,6 +124,7 @@ class CommonConfig(Config):
     report_to: ReportTo = report_to_field()
     backend: str = backend_field()
     chat_template: str = chat_template_field()
+    chat_template_args: dict = chat_template_args_field()
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in backward: less memory, about one more forward of compute")
 
 

@@ -199,3 +199,22 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
         runs[gc] = load_file(out / "final" / "model.safetensors")
     for k, v in runs[False].items():
         torch.testing.assert_close(runs[True][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_chat_template_args_reach_every_render(tmp_path):
+    """chat_template_args={enable_thinking: false} is fixed in the template, as Qwen3 users switch thinking off."""
+    from posttrain.data.templates import render_prompt
+    from posttrain.errors import UserError
+    from posttrain.models.loading import load_tokenizer
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if add_generation_prompt %}{% if enable_thinking is defined and not enable_thinking %}"
+                        " [no-think]{% else %} [think]{% endif %}{% endif %}")
+    prompt = [{"role": "user", "content": "hi"}]
+    plain = load_tokenizer("tiny-random", str(template))
+    off = load_tokenizer("tiny-random", str(template), {"enable_thinking": False})
+    assert plain.decode(render_prompt(plain, prompt)).endswith("[think]")
+    assert off.decode(render_prompt(off, prompt)).endswith("[no-think]")
+    with pytest.raises(UserError, match="not template variable names"):
+        load_tokenizer("tiny-random", "", {"bad name": 1})

@@ -140,22 +140,31 @@ BUILTIN_TEMPLATES = {
 }
 
 
-def set_chat_template(tok, option: str) -> None:
-    """Apply `chat_template=` to a tokenizer: '' keeps its own; a built-in name or a .jinja file replaces it."""
+def set_chat_template(tok, option: str = "", args: dict | None = None) -> None:
+    """Apply `chat_template=` to a tokenizer: '' keeps its own; a built-in name or a .jinja file replaces it.
+    `args` (chat_template_args) are fixed for every render: `{% set name = value %}` lines put before the
+    template, so every path that renders (SFT masks, RL prompts, eval, serve) sees the same values."""
+    import json
     from pathlib import Path
 
     from posttrain.errors import UserError
 
-    if not option:
-        return
     if option in BUILTIN_TEMPLATES:
         tok.chat_template = BUILTIN_TEMPLATES[option]
-        return
-    path = Path(option)
-    if not path.is_file():
-        raise UserError(f"chat_template={option!r}: neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
-                        "nor a template file")
-    tok.chat_template = path.read_text(encoding="utf-8")
+    elif option:
+        path = Path(option)
+        if not path.is_file():
+            raise UserError(f"chat_template={option!r}: neither a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                            "nor a template file")
+        tok.chat_template = path.read_text(encoding="utf-8")
+    if args:
+        if not has_template(tok):
+            raise UserError("chat_template_args: the tokenizer has no chat template to pass them to")
+        bad = [k for k in args if not str(k).isidentifier()]
+        if bad:
+            raise UserError(f"chat_template_args: {bad} are not template variable names")
+        header = "".join(f"{{%- set {k} = {json.dumps(v)} -%}}" for k, v in args.items())  # JSON literals are Jinja literals
+        tok.chat_template = header + tok.chat_template
 
 
 def has_template(tok) -> bool:

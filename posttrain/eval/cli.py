@@ -47,7 +47,7 @@ def prepare(cfg: EvalConfig):
     check_columns(rows, reward_fn.columns)
     ex = extraction_settings(reward_fn.parts, cfg.reward_args)
     shots = few_shot_messages(cfg.few_shot)
-    tok = load_tokenizer(cfg.model, template_file(cfg.chat_template))
+    tok = load_tokenizer(cfg.model, template_file(cfg.chat_template), cfg.chat_template_args)
     items = build_items(tok, rows, cfg.system_prompt, shots, cfg.chat_template != "none")
     return items, reward_fn, spec, ex, shots, tok
 

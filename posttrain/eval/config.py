@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from posttrain.config import Config, backend_field
+from posttrain.config import Config, backend_field, chat_template_args_field
 from posttrain.rollout.settings import SamplingSettings
 
 
@@ -63,6 +63,7 @@ class EvalConfig(Config):
     chat_template: Annotated[str, BeforeValidator(_template_option)] = Field(
         "", description="'' = the tokenizer's chat template (a tokenizer without one: string prompts as plain text); "
                         "none (or false) = string prompts as plain text; a built-in name (chatml, plain) or a .jinja file")
+    chat_template_args: dict = chat_template_args_field()
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     seed: int = Field(0, description="sampling seed: problem i uses seed + i (as `posttrain generate`), sample j stream j")
     max_items: int = Field(0, ge=0, description="evaluate the first N problems only (0: all)")

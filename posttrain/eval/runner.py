@@ -220,6 +220,7 @@ def template_file(option: str) -> str:
 def make_backend(cfg, tok):
     """The generation backend an eval config names (backend, dtype, device, engine sizes): rollout.cli's builder."""
     gen = GenerateConfig(model=cfg.model, backend=cfg.backend, chat_template=template_file(getattr(cfg, "chat_template", "")),
+                         chat_template_args=getattr(cfg, "chat_template_args", {}),
                          dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
                          max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb)
     return generate_backend(gen, tok)

@@ -87,9 +87,10 @@ def _from_hub(load, name: str, **kwargs):
         raise _hub_error(name, e) from e
 
 
-def load_tokenizer(name: str, chat_template: str = ""):
+def load_tokenizer(name: str, chat_template: str = "", chat_template_args: dict | None = None):
     """The tokenizer of a model name; `chat_template` (a built-in name or a .jinja file, data/templates.py)
-    replaces its chat template, e.g. for a base model that has none."""
+    replaces its chat template, e.g. for a base model that has none; `chat_template_args` fix template
+    variables (enable_thinking=false)."""
     from transformers import AutoTokenizer
 
     path = resolve(name)
@@ -99,7 +100,7 @@ def load_tokenizer(name: str, chat_template: str = ""):
         tok = AutoTokenizer.from_pretrained(TINY_TOKENIZER if path is None else path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    set_chat_template(tok, chat_template)
+    set_chat_template(tok, chat_template, chat_template_args)
     return tok
 
 

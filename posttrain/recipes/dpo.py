@@ -376,7 +376,7 @@ def setup(cfg: DPOConfig) -> DPORun:
     device = ranks.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     unpaired = not preference_losses.meta(cfg.loss).get("paired", True)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
                               unpaired_ok=unpaired, unpair_train=unpaired)

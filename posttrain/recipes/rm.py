@@ -163,7 +163,7 @@ def setup(cfg: RMConfig) -> RMRun:
     device = resolve_device(cfg.device)
     life = RunLifecycle(cfg)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long)
     measured = Measured()
     model = load_reward_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device, pad_token_id=tok.pad_token_id)

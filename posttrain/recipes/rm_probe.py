@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from posttrain.config import Config, backend_field, chat_template_field, parse_args
+from posttrain.config import Config, backend_field, chat_template_args_field, chat_template_field, parse_args
 from posttrain.data import formats
 from posttrain.data.formats import completion_text
 from posttrain.data.preference import Pair, load_pairs
@@ -53,6 +53,7 @@ class ProbeConfig(Config):
     seed: int = Field(0, description="sampling seed of the sweep")
     backend: str = backend_field()
     chat_template: str = chat_template_field()
+    chat_template_args: dict = chat_template_args_field()
 
 
 def score_pairs(scorer, pairs: list[Pair]) -> tuple[list[float], list[float]]:
@@ -111,7 +112,7 @@ def bon_sweep(scorer, cfg: ProbeConfig, pairs: list[Pair]) -> dict:
             seen.add(json.dumps(r["prompt"], sort_keys=True))
             unique.append(r)
     rows = unique[: cfg.bon_prompts]
-    tok = load_tokenizer(cfg.policy, cfg.chat_template)
+    tok = load_tokenizer(cfg.policy, cfg.chat_template, cfg.chat_template_args)
     model = load_model(cfg.policy, seed=cfg.seed, device=resolve_device(cfg.device)).eval()
     engine = build_backend(cfg.backend, model, tok, EngineConfig(max_num_seqs=min(256, cfg.bon_n * len(rows)), kv_cache_mb=512,
                                                                   seed=cfg.seed), model_name=cfg.policy)

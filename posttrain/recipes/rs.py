@@ -30,7 +30,15 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from posttrain.config import Config, ReportTo, backend_field, chat_template_field, parse_args, report_to_field
+from posttrain.config import (
+    Config,
+    ReportTo,
+    backend_field,
+    chat_template_args_field,
+    chat_template_field,
+    parse_args,
+    report_to_field,
+)
 from posttrain.data import formats
 from posttrain.data.templates import check_template, render_prompt
 from posttrain.errors import UserError
@@ -48,7 +56,7 @@ from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.run import progress
 
 # keys of the SFT section that rs sets itself, each round
-SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device", "backend", "chat_template")
+SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device", "backend", "chat_template", "chat_template_args")
 
 
 class RSTrainSettings(SFTConfig):
@@ -73,6 +81,7 @@ class RSConfig(Config):
     dtype: str = Field("float32", description="weights dtype while sampling")
     backend: str = backend_field()
     chat_template: str = chat_template_field()
+    chat_template_args: dict = chat_template_args_field()
     reward: str = Field("math", description="reward or weighted composition: 'math', 'math:1.0,format:0.2', 'my.py:fn'")
     reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {math: {mode: last_number}}")
     n: int = Field(8, ge=1, description="samples per prompt (N of best-of-N)")
@@ -224,7 +233,8 @@ def write_kept(path: Path, rows: list[formats.Row], kept: list[list[Sample]], ro
 def sft_config(cfg: RSConfig, model: str, data: Path, out: Path, n_rows: int) -> SFTConfig:
     """The SFT section with the round's model, data and directory; max_steps from `epochs` unless given."""
     update = {"model": model, "data": str(data), "output_dir": str(out), "resume": cfg.resume, "seed": cfg.seed,
-              "device": cfg.device, "backend": cfg.backend, "chat_template": cfg.chat_template}
+              "device": cfg.device, "backend": cfg.backend, "chat_template": cfg.chat_template,
+              "chat_template_args": cfg.chat_template_args}
     if "max_steps" not in cfg.train.model_fields_set:
         update["max_steps"] = max(1, math.ceil(cfg.epochs * n_rows / cfg.train.batch_size))
     return cfg.train.model_copy(update=update)
@@ -304,7 +314,7 @@ def setup(cfg: RSConfig) -> RSRun:
         raise UserError(f"{out} already holds an rs run: pass resume=true, or choose another output_dir")
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     reward_fn = build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # columns checked against the data
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     check_template(tok, rows)
     life = RunLifecycle(cfg)
     done = len(finished_rounds(life.out, cfg.rounds)) if cfg.resume else None

@@ -265,7 +265,7 @@ def setup(cfg: SFTConfig) -> SFTRun:
     device = dist.rank_device(device, info)
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
     eval_hook = EvalHook(cfg.eval_tasks, tok, eval_every=cfg.eval_every)  # held-out problems: checked now too
     units = make_units(train_samples, cfg)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_field, parse_args
+from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_args_field, chat_template_field, parse_args
 from posttrain.data import formats
 from posttrain.data.templates import check_template, has_template, render_prompt
 from posttrain.errors import UserError
@@ -28,6 +28,7 @@ class GenerateConfig(Config):
     output: str = Field("samples.jsonl", description="output .jsonl, one line per sample")
     backend: str = backend_field()
     chat_template: str = chat_template_field()
+    chat_template_args: dict = chat_template_args_field()
     n: int = Field(1, ge=1, description="samples per prompt")
     temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 = off")
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> None:
         raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
     from posttrain.models.loading import load_tokenizer  # not for --help
 
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     prompts, rows = read_prompts(cfg.data, tok)  # refused before the weights load
     backend = make_backend(cfg, tok)
     requests = [Request(p, SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,

@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_field, parse_args
+from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_args_field, chat_template_field, parse_args
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.rollout.types import Request, RequestOutput, SamplingParams
@@ -45,6 +45,7 @@ class ServeConfig(Config):
     model: str = Field("tiny-random", description=MODEL_HELP)
     backend: str = backend_field()
     chat_template: str = chat_template_field()
+    chat_template_args: dict = chat_template_args_field()
     served_model_name: str = Field("", description="the name /v1/models lists and requests must use ('' = the model argument)")
     host: str = Field("127.0.0.1", description="interface to listen on (0.0.0.0: every interface; there is no authentication)")
     port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = a free one, printed at start)")
@@ -328,7 +329,7 @@ def build_worker(cfg: ServeConfig):
     from posttrain.rollout.backends import StepAdapter, build_backend
     from posttrain.rollout.engine import Engine, EngineConfig
 
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, kv_cache_mb=cfg.kv_cache_mb, seed=cfg.seed)
     model = None if cfg.backend == "vllm" else load_model(cfg.model, dtype=cfg.dtype, device=cfg.device).eval()
     backend = build_backend(cfg.backend, model, tok, ecfg, model_name=cfg.model, dtype=cfg.dtype)

@@ -74,7 +74,7 @@ def check_same_vocab_size(student_model, teacher_model, student: str, teacher: s
 
 def load_checked_tokenizers(cfg):
     """(student tokenizer, teacher tokenizer) of a DistillConfig; logit and on-policy modes refuse different vocabularies."""
-    tok, teacher_tok = load_tokenizer(cfg.model, cfg.chat_template), load_tokenizer(cfg.teacher)
+    tok, teacher_tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args), load_tokenizer(cfg.teacher)
     if cfg.mode != "sequence":
         check_same_tokenizer(tok, teacher_tok, cfg.model, cfg.teacher, cfg.mode)
     return tok, teacher_tok

@@ -53,7 +53,7 @@ def setup(cfg: RLConfig) -> RLRun:
     life = RunLifecycle(cfg, info)
     seed_everything(cfg.seed)
     device = rank_device(resolve_device(cfg.device), info)
-    tok = load_tokenizer(cfg.model, cfg.chat_template)
+    tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
     check_template(tok, rows)
     agent = setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`

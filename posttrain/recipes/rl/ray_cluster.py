@@ -83,7 +83,7 @@ class RolloutWorker:
     def __init__(self, cfg, queue, reward):
         self.cfg, self.queue, self.reward = cfg, queue, reward
         self.incarnation = uuid.uuid4().hex
-        self.tok = load_tokenizer(cfg.model, cfg.chat_template)
+        self.tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
         self.rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
         model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).eval().requires_grad_(False)
         rows = (cfg.systems.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size

@@ -112,6 +112,7 @@ def test_a_failing_prediction_becomes_notes(monkeypatch, capsys):
     monkeypatch.setattr(predict_mod, "_phases", broken)
     p = predict("tiny-random", "sft")
     assert p["flops_per_step"] is None and "ZeroDivisionError" in p["notes"][0] and p["unknown"]
+    assert p["tokens_per_step"] == 8 * 512  # the step's shape needs no model and is kept
     assert capsys.readouterr().err.count("\n") == 1
     with pytest.raises(UserError, match="batch"):  # wrong input is still an error
         predict("tiny-random", "sft", batch=0)

@@ -66,6 +66,16 @@ def failed_plan(cfg: PlanConfig, error: BaseException) -> dict:
                 "kv_bytes_step", "activation_bytes", "peak_bytes_estimate", "tokens_per_step", "flops_per_token",
                 "flops_per_step", "seconds_per_step", "hardware", "run"):
         out[key] = None
+    try:  # the shape of a step needs no model: keep it when it can be had
+        method = methods.get(cfg.method)
+        opt = methods.options(method, beta=cfg.beta, reward=cfg.reward, precompute_ref=cfg.precompute_ref,
+                              value_model=cfg.value_model, distill=cfg.distill)
+        group, _, tokens_per_seq, generated_per_seq = _step_shape(cfg, method, opt)
+        sequences = cfg.batch * group * (2 if method.pairwise else 1)
+        out.update(group=group, sequences_per_step=sequences, tokens_per_step=sequences * tokens_per_seq,
+                   generated_tokens_per_step=sequences * generated_per_seq)
+    except Exception:  # the plan already says the prediction failed
+        pass
     return out
 
 

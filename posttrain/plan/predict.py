@@ -50,16 +50,24 @@ def predict(model: Any = "tiny-random", method: str = "sft", **keys) -> dict:
     except UserError:
         raise
     except Exception as e:  # a planner bug or an input it cannot digest must not stop the run that asked
-        plan = failed_plan(cfg, e)
+        plan = failed_plan(cfg, e, _name_of(objects.get("model"), cfg.model))
     if plan["notes"]:
         print(f"posttrain plan: warning: {'; '.join(plan['notes'])}", file=sys.stderr)
     return plan
 
 
-def failed_plan(cfg: PlanConfig, error: BaseException) -> dict:
-    """The plan of a prediction that raised: every number None, the reason in `notes` and `unknown`."""
+def _name_of(given: Any, default: str) -> str:
+    """A model object's or config's name_or_path, else its class name; `default` when nothing was given."""
+    if given is None:
+        return default
+    config = getattr(given, "config", given)
+    return str(getattr(config, "name_or_path", "") or type(given).__name__)
+
+
+def failed_plan(cfg: PlanConfig, error: BaseException, name: str | None = None) -> dict:
+    """The plan of a prediction that raised: every number None but the step's shape, the reason in `notes` and `unknown`."""
     why = f"prediction failed: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
-    out: dict[str, Any] = {"model": {"name": cfg.model, "source": None, "architecture": None}, "method": cfg.method,
+    out: dict[str, Any] = {"model": {"name": name or cfg.model, "source": None, "architecture": None}, "method": cfg.method,
                            "models": [], "phases": [], "lora": None, "gradient_checkpointing": cfg.gradient_checkpointing,
                            "notes": [why], "unknown": {"*": why}}
     for key in ("params", "active_params", "trainable_params", "models_in_memory", "memory_bytes_total", "kv_bytes_per_token",

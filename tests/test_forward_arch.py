@@ -209,7 +209,8 @@ def test_kept_set_logprobs_in_checkpointed_chunks_equal_the_full_computation(mon
     soft-capped logits, values and gradients."""
     import posttrain.ops.logprobs as lp
 
-    monkeypatch.setattr(lp, "KEEP_MAX", 30 * 4)  # 4 rows per chunk
+    monkeypatch.setattr(lp, "TILE_MIN", 30 * 4)  # tiles of 120 logits: chunks of 4 rows over a vocabulary of 30
+    monkeypatch.setattr(lp, "TILE_PER_HIDDEN", 0)
     torch.manual_seed(1)
     hid = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(30, 6, dtype=torch.float64, requires_grad=True)

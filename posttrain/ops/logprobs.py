@@ -17,8 +17,8 @@ the backward instead (no second head matmul). Entropy of the full distribution i
 detached metric on request (online too: H = lse − Σ p z).
 
 Sampling with top-k / top-p draws from a kept set that only the whole row's logits define:
-`chunked_kept_logprobs` runs `ops.sampling.trainer_logprobs` on row chunks of at most KEEP_MAX
-logits, each chunk checkpointed (recomputed in backward), so that path is bounded by a constant too.
+`chunked_kept_logprobs` runs `ops.sampling.trainer_logprobs` on chunks of whole rows, at most a
+tile of logits each, recomputed in backward, so that path is bounded too.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from posttrain.ops.sampling import trainer_logprobs
 
@@ -38,6 +37,12 @@ TILE_PER_HIDDEN = 8  # a tile holds at most 8x the numbers of the hidden-state r
 def tile_elements(rows: int, hidden: int) -> int:
     """The most logits one tile holds for `rows` hidden-state rows of width `hidden`."""
     return min(KEEP_MAX, max(TILE_MIN, TILE_PER_HIDDEN * rows * hidden))
+
+
+def whole_rows(n: int, hidden: int, vocab: int, chunk: int = 1024) -> int:
+    """Rows per chunk when a computation needs whole rows of logits (a kept set, a divergence over the
+    vocabulary): at most `chunk`, and at most one tile of logits."""
+    return max(1, min(chunk, tile_elements(min(n, chunk), hidden) // vocab))
 
 
 @dataclass(frozen=True)
@@ -128,18 +133,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
         acc = _acc(hidden.dtype)
-        grad_h = torch.empty_like(hidden) if need[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need[1] else None
-        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need[2] else None
+        grad_h, grad_w, grad_b = _grad_buffers(ctx, hidden, weight, bias)
         kept, ctx.kept = ctx.kept, None
         V, rows = weight.shape[0], ctx.rows
         cols = ctx.cols
         for s in range(0, hidden.shape[0], rows):
             h, g = hidden[s : s + rows], grad_logp[s : s + rows].to(acc)
-            h_acc = h.to(acc) if need[1] else None
-            gh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
+            h_acc = h.to(acc) if grad_w is not None else None
+            gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grad_h is not None else None
             for v0 in range(0, V, cols):
                 v1 = min(V, v0 + cols)
                 if kept is not None:  # the forward's softmax and slope (one tile), used once
@@ -148,17 +150,37 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     z, slope = _tile(h, weight, bias, v0, v1, ctx.hm, slope=True)
                     p = torch.exp(z.sub_(lse[s : s + rows, None]))
                 dz = _tile_grad(p, g, targets[s : s + rows], v0, v1, slope)  # dL/du of the tile (r, c)
-                if need[0]:
-                    gh += dz.to(weight.dtype) @ weight[v0:v1]
-                if need[1]:
-                    grad_w[v0:v1].addmm_(dz.t(), h_acc)
-                if need[2]:
-                    grad_b[v0:v1] += dz.sum(0)
-            if need[0]:
+                _backprop_tile(dz, h_acc, weight, v0, v1, gh, grad_w, grad_b)
+            if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
-        grad_w = grad_w.to(weight.dtype) if need[1] else None
-        grad_b = grad_b.to(bias.dtype) if need[2] else None
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 4
+
+
+def _cast(grad_h, grad_w, grad_b, weight, bias) -> tuple:
+    """The accumulated gradients in the parameters' dtypes."""
+    return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+
+
+def _backprop_tile(dz, h_acc, weight, v0: int, v1: int, gh, grad_w, grad_b) -> None:
+    """Add dL/du (r, c) of columns [v0, v1) into the hidden-state rows' gradient gh (r, H), grad_w and grad_b
+    (each None when not needed): gh += dz·W[v0:v1], grad_w[v0:v1] += dzᵀ·h, grad_b[v0:v1] += Σ_rows dz."""
+    if gh is not None:
+        gh += dz.to(weight.dtype) @ weight[v0:v1]
+    if grad_w is not None:
+        grad_w[v0:v1].addmm_(dz.t(), h_acc)
+    if grad_b is not None:
+        grad_b[v0:v1] += dz.sum(0)
+
+
+def _grad_buffers(ctx, hidden, weight, bias):
+    """Zero fp32 (fp64 for fp64 inputs) accumulators for the weight and bias gradients, None where not needed,
+    and an empty hidden-state gradient."""
+    acc = _acc(hidden.dtype)
+    grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+    need_b = bias is not None and ctx.needs_input_grad[2]
+    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+    return grad_h, grad_w, grad_b
 
 
 def _tile_grad(p, g, targets, v0: int, v1: int, slope):
@@ -204,21 +226,58 @@ def head_logits(hidden, weight, bias=None, scale: float = 1.0, softcap: float | 
         return hm.apply(u.float() if u.dtype != torch.float64 else u)[0]
 
 
+class _ChunkedKeptLogProbs(torch.autograd.Function):
+    """`ops.sampling.trainer_logprobs` (the kept-set log-probs of a top-k / top-p draw) over chunks of whole rows
+    (a kept set needs the whole row), at most one tile of logits each. Forward: no graph. Backward: per chunk,
+    the logits again, dL/dz by autograd through trainer_logprobs on that chunk alone, then into one gradient
+    accumulator as in _ChunkedLogProbs (no per-chunk (V x H) weight gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, kept, hm, temperature, rows, want_entropy):
+        logp, ent = [], []
+        for s in range(0, hidden.shape[0], rows):
+            z, _ = _tile(hidden[s : s + rows], weight, bias, 0, weight.shape[0], hm)  # (r, V), temperature 1
+            lp, e = trainer_logprobs(z, targets[s : s + rows], temperature, kept=kept[s : s + rows], with_entropy=want_entropy)
+            logp.append(lp)
+            ent.append(e)
+        ctx.save_for_backward(hidden, weight, bias, targets, kept)
+        ctx.hm, ctx.temperature, ctx.rows = hm, temperature, rows
+        entropy = torch.cat(ent) if want_entropy else None
+        if want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return torch.cat(logp), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, bias, targets, kept = ctx.saved_tensors
+        acc = _acc(hidden.dtype)
+        grad_h, grad_w, grad_b = _grad_buffers(ctx, hidden, weight, bias)
+        V, rows = weight.shape[0], ctx.rows
+        for s in range(0, hidden.shape[0], rows):
+            h = hidden[s : s + rows]
+            z, slope = _tile(h, weight, bias, 0, V, ctx.hm, slope=True)
+            with torch.enable_grad():
+                z.requires_grad_(True)
+                lp, _ = trainer_logprobs(z, targets[s : s + rows], ctx.temperature, kept=kept[s : s + rows])
+                (dz,) = torch.autograd.grad(lp, z, grad_logp[s : s + rows].to(lp.dtype))
+            dz = dz.mul_(slope) if not (isinstance(slope, float) and slope == 1.0) else dz
+            gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grad_h is not None else None
+            _backprop_tile(dz.to(acc), h.to(acc) if grad_w is not None else None, weight, 0, V, gh, grad_w, grad_b)
+            if grad_h is not None:
+                grad_h[s : s + rows] = gh.to(hidden.dtype)
+        return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 6
+
+
 def chunked_kept_logprobs(hidden, weight, targets, kept, bias=None, temperature: float = 1.0, scale: float = 1.0,
                           softcap: float | None = None, chunk: int = 1024, with_entropy: bool = False):
-    """`ops.sampling.trainer_logprobs` (the kept-set log-probs of a top-k / top-p draw) over row chunks of at
-    most KEEP_MAX logits, each chunk checkpointed: (N, V) logits never exist at once, in forward or backward."""
-    rows = max(1, min(chunk, KEEP_MAX // weight.shape[0]))
-
-    def part(h, t, k):  # (r, H), (r,), (r,) -> logp (r,), entropy (r,) | None
-        z = head_logits(h, weight, bias, scale, softcap)
-        return trainer_logprobs(z, t, temperature, kept=k, with_entropy=with_entropy)
-
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    outs = [checkpoint(part, h, t, k, use_reentrant=False) if grad else part(h, t, k)
-            for h, t, k in zip(hidden.split(rows), targets.split(rows), kept.split(rows))]
-    logp = torch.cat([o[0] for o in outs])
-    return logp, (torch.cat([o[1].detach() for o in outs]) if with_entropy else None)
+    """(logp (N,), entropy (N,) | None): the kept-set log-probs (`ops.sampling.trainer_logprobs`, kept (N,) set
+    sizes, 0 = not truncated) of softmax(c·tanh(s·(hidden @ weight.T + bias)/c) / T) restricted to each set,
+    in chunks of whole rows of at most one tile of logits: (N, V) logits never exist at once."""
+    hm = HeadMap(float(scale), None if softcap is None else float(softcap), 1.0)  # trainer_logprobs applies T
+    rows = whole_rows(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _ChunkedKeptLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, kept.to(targets.device), hm,
+                                          float(temperature), rows, bool(with_entropy))
 
 
 @dataclass(frozen=True)
@@ -235,6 +294,10 @@ class LogitHead:
     def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Full logits (M, V) fp32 of `hidden` (M, H)."""
         return head_logits(hidden, self.weight, self.bias, self.scale, self.softcap, temperature)
+
+    def rows_per_chunk(self, n: int, chunk: int = 1024) -> int:
+        """Rows of whole-vocabulary logits (`logits`) one chunk of `n` hidden-state rows may take: at most a tile."""
+        return whole_rows(n, self.weight.shape[1], self.weight.shape[0], chunk)
 
     def logprobs(self, hidden, targets, temperature: float = 1.0, kept: torch.Tensor | None = None,
                  with_entropy: bool = False, chunk: int = 1024):

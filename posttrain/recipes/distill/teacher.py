@@ -141,6 +141,7 @@ def chunked_backward(h: torch.Tensor, head, loss_of_chunk, chunk: int, whole=Non
     hd = h.detach().requires_grad_(h.requires_grad)
     total = torch.zeros((), device=h.device)
     metrics: dict = {}
+    chunk = head.rows_per_chunk(h.shape[0], chunk)  # (chunk x V) logits at most one tile (ops.logprobs), whatever V
     parts = [(lambda s=s: loss_of_chunk(head_logits(head, hd[s : s + chunk]), slice(s, s + chunk)))
              for s in range(0, h.shape[0], chunk)]
     if whole is not None:

@@ -1,20 +1,26 @@
-"""Model runner: a compact Llama/Qwen2 forward over a paged KV cache, from the HF module's weights.
+"""Model runner: a compact decoder forward over a paged KV cache, from the HF module's weights.
 
-It holds references to the HF model's modules. With pack_weights (the default) it computes from a
+It holds references to the HF model's modules (a PEFT-wrapped model is unwrapped; its LoRA layers are
+read as merged weights, see arch.effective_weight). With pack_weights (the default) it computes from a
 packed copy of the linear weights that `refresh_weights()` rebuilds (the engine calls it when the
-weights change); without, it reads `module.weight` at every forward. The math follows transformers'
-modeling_llama / modeling_qwen2: RMSNorm in float32 then cast, RoPE cos/sin from the model's own
-`rotary_emb.inv_freq` and `attention_scaling` (so rope_scaling types with static frequencies —
-default, linear, llama3, yarn — match), GQA attention with SDPA and scale head_dim**-0.5, SwiGLU MLP.
-In fp32 greedy decoding equals HF's token for token (tested). In bf16 it is not bit-identical: other
-matmul kernels, the residual add fused into the matmul (one rounding instead of two), and the fused
-RMSNorm's sum order move a few values by one bf16 ulp; measured on SmolLM2, the behaviour log-probs
-differ from an HF bf16 forward by 0.042 nats on average with or without these fusions.
+weights change); without, it reads the modules' weights at every forward. What differs between
+architectures (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3, olmo2: norms and where they sit,
+q/k norm, activation, soft-caps, sliding window per layer, RoPE table per layer, embedding scale) is
+resolved once into an `arch.Recipe`; one `_forward` reads it. The math follows transformers'
+modeling files: RMSNorm in float32 then cast, RoPE cos/sin from the model's own `inv_freq` and
+`attention_scaling` (so rope types with static frequencies match), GQA attention with SDPA (HF's eager
+order where scores are soft-capped), gated MLP. In fp32 greedy decoding equals HF's token for token
+(tested for every family). In bf16 it is not bit-identical: other matmul kernels, the residual add fused
+into the matmul (one rounding instead of two), and the fused RMSNorm's sum order move a few values by one
+bf16 ulp; measured on SmolLM2, the behaviour log-probs differ from an HF bf16 forward by 0.042 nats on
+average with or without these fusions.
 
 KV storage: k/v of shape (layers, num_blocks * block_size, kv_heads, head_dim), allocated once;
 prefill writes and reads it. Decode attends a contiguous group KV (see `_slot_attend`): per group
 slot the shared prompt once and its samples' tokens interleaved. Without it (slot_kv_seqs=0) decode
-gathers each sequence's blocks with one `index_select` per layer and masks the padding.
+gathers each sequence's blocks with one `index_select` per layer and masks the padding. Sliding-window
+layers keep every position's KV (so the prefix cache is unchanged) and mask keys with i - j >= window
+in all three attention paths (prefill, group KV, gather).
 """
 
 from __future__ import annotations
@@ -22,31 +28,84 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from posttrain.errors import UserError
 from posttrain.models.device import is_cpu
+from posttrain.models.forward import unwrap
 from posttrain.ops import cpu_kernels
+from posttrain.rollout import arch
+from posttrain.rollout.arch import effective_weight
 
-SUPPORTED = ("llama", "qwen2")
-
-
-def check_supported(model) -> None:
-    cfg = model.config
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SUPPORTED:
-        raise UserError(f"the builtin engine runs {', '.join(SUPPORTED)} models, not '{mt}'; use backend=hf")
-    if hasattr(model, "peft_config"):
-        raise UserError("the builtin engine needs plain weights: merge the LoRA adapter (merge_and_unload) or use backend=hf")
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        raise UserError(f"builtin engine: hidden_act '{cfg.hidden_act}' is not supported; use backend=hf")
-    if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
-        raise UserError("builtin engine: sliding-window attention is not supported; use backend=hf")
-    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
-        raise UserError(f"builtin engine: rope type '{rope_type}' changes with length; use backend=hf")
+SUPPORTED = arch.SUPPORTED  # model_types the runner runs
 
 
-def _rmsnorm(x: torch.Tensor, mod) -> torch.Tensor:
-    return cpu_kernels.rmsnorm(x, mod.weight, mod.variance_epsilon)  # HF RMSNorm; fused for bf16 CPU tensors, eager elsewhere (CUDA)
+def check_supported(model, max_model_len: int | None = None) -> None:
+    """UserError (naming the model type and the backends that run it) for a model the runner cannot run."""
+    _recipe(unwrap(model), max_model_len)
+
+
+def _recipe(hf, max_model_len: int | None) -> arch.Recipe:
+    recipe = arch.resolve(hf, max_model_len)
+    arch.check_adapters(hf, recipe.model_type)
+    return recipe
+
+
+class _Norm:
+    """An HF RMSNorm module's forward, h = x * rsqrt(mean(x^2) + eps) in float32, then by family kind:
+    "llama" w * cast(h) (fused for bf16 CPU tensors, any leading shape), "gemma" cast(h * (1 + w)),
+    "olmo" cast(w * h). Reads the module's live weight."""
+
+    def __init__(self, mod, kind: str):
+        self.mod, self.kind = mod, kind
+        eps = getattr(mod, "variance_epsilon", None)
+        self.eps = mod.eps if eps is None else eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.mod.weight
+        if self.kind == "llama":
+            if x.dim() == 2:
+                return cpu_kernels.rmsnorm(x, w, self.eps)
+            return cpu_kernels.rmsnorm(x.reshape(-1, x.shape[-1]), w, self.eps).view(x.shape)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + w.float())).type_as(x) if self.kind == "gemma" else (w * h).to(x.dtype)
+
+
+class _Embedding:
+    """tokens -> rows of the (effective) embedding weight [* scale cast to its dtype, gemma]. A LoRA'd
+    embedding's merged weight is kept by `refresh()` when packing; a plain one is read in place."""
+
+    def __init__(self, mod, scale: float | None, pack: bool):
+        self.mod, self.pack, self.w = mod, pack, None
+        w = mod.weight  # (a LoRA embedding's base weight: same device and dtype)
+        self.scale = None if scale is None else torch.tensor(scale).to(device=w.device, dtype=w.dtype)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        self.w = effective_weight(self.mod)[0] if self.pack and arch.is_lora(self.mod) else None
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(tokens, self.w if self.w is not None else effective_weight(self.mod)[0])
+        return x if self.scale is None else x * self.scale
+
+
+def _attention(q, k, v, scale: float, mask=None, causal: bool = False, softcap: float | None = None):
+    """softmax(q k^T * scale + mask) v over the last two dims: q (..., n, D), k/v (..., L, D); mask bool
+    (True = visible) or additive, broadcast to (..., n, L). With `softcap`, HF's eager order: scores
+    tanh(s / c) * c before the mask, softmax in float32, cast back (SDPA cannot soft-cap)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        n, L = s.shape[-2:]
+        mask = torch.ones(n, L, dtype=torch.bool, device=s.device).tril(L - n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _residual(lin, a: torch.Tensor, x: torch.Tensor, post) -> torch.Tensor:
+    """x + lin(a) (the add fused into the matmul), or x + post(lin(a)) with a post-norm (gemma, olmo2)."""
+    return lin(a, residual=x) if post is None else post(lin(a)).add_(x)
 
 
 class _Linear:
@@ -58,7 +117,7 @@ class _Linear:
     to 1.3x. Elsewhere (or if this torch build lacks the op): W^T of the concatenation, contiguous
     (in, out), which MKL runs ~30% faster than F.linear at decode sizes. The copy is rebuilt by
     `refresh()` (the engine calls it when the weights change). Unpacked: reads the modules' weights
-    at every call (no extra memory)."""
+    at every call (no extra memory; a LoRA layer's merged weight is recomputed per call)."""
 
     def __init__(self, mods, pack: bool, batch_hint: int = 64):
         self.mods, self.pack, self.batch_hint = mods, pack, batch_hint
@@ -69,9 +128,9 @@ class _Linear:
     def refresh(self) -> None:
         if not self.pack:
             return
-        ws = [m.weight for m in self.mods]
+        wb = [effective_weight(m) for m in self.mods]  # LoRA layers: W + scale * B @ A
+        ws, bs = [w for w, _ in wb], [b for _, b in wb]
         w = torch.cat(ws) if len(ws) > 1 else ws[0]  # (out, in)
-        bs = [getattr(m, "bias", None) for m in self.mods]
         self.b = None if all(b is None for b in bs) else torch.cat(
             [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
         blocked = _onednn_pack(w, self.batch_hint)
@@ -87,7 +146,7 @@ class _Linear:
         if self.pack:
             out = x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
         else:
-            outs = [F.linear(x, m.weight, getattr(m, "bias", None)) for m in self.mods]
+            outs = [F.linear(x, *effective_weight(m)) for m in self.mods]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         return out if residual is None else out.add_(residual)
 
@@ -110,37 +169,29 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True,
                  slot_kv_seqs: int = 0):
-        check_supported(model)
-        cfg = model.config
+        hf = unwrap(model)  # a PEFT model's transformers CausalLM, LoRA layers in place
+        self.recipe = r = _recipe(hf, max_model_len)
+        cfg = hf.config
         self.model = model
-        self.layers = model.model.layers
-        self.norm, self.embed = model.model.norm, model.model.embed_tokens
-        hint = slot_kv_seqs or 64  # decode batch size: the shape that matters
-
-        def lin(mods):
-            return _Linear(mods, pack_weights, hint)
-
-        self.qkv = [lin([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.o = [lin([l.self_attn.o_proj]) for l in self.layers]
-        self.gate_up = [lin([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
-        self.down = [lin([l.mlp.down_proj]) for l in self.layers]
-        self.lm_head = lin([model.lm_head])
+        self.layers = hf.model.layers
+        self.embed = hf.model.embed_tokens
+        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        self._modules(hf, pack_weights, slot_kv_seqs or 64)  # hint: the decode batch size, the shape that matters
         self.refresh_weights()
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
         self.block_size, self.num_blocks = block_size, num_blocks
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        rot = model.model.rotary_emb
-        inv_freq = rot.inv_freq.float().to(self.device)
-        pos = torch.arange(max_model_len, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)  # (max_len, D), cast as HF does
-        self.sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
-        half = self.sin.shape[1] // 2
-        self.sin_signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=1)  # see cpu_kernels.rope_ref
+        self.windows = r.windows  # per layer: sliding window or None
+        self.window_set = list(dict.fromkeys(r.windows))  # the distinct ones: one mask each per step
+        self.rope_of, self.rope_fp32 = r.rope_of, r.family.rope_fp32
+        tables = [self._rope_table(t, max_model_len) for t in r.ropes]  # one per layer type (gemma3), else one
+        self.cos = torch.stack([c for c, _ in tables])  # (tables, max_len, rotary_dim)
+        self.sin_signed = torch.stack([s for _, s in tables])
+        rotary = self.cos.shape[2]
+        self.qk_norm = r.family.qk_norm
+        # Llama's path: q and k heads rotated in one (fused) call, straight from the q|k|v projection
+        self.fast_qk = self.qk_norm is None and not self.rope_fp32 and rotary == self.head_dim
         shape = (len(self.layers), num_blocks * block_size, self.n_kv, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -151,6 +202,44 @@ class Runner:
         self.slot_seqs, self.max_model_len = slot_kv_seqs, max_model_len
         self.k_slot = self.v_slot = None
         self.set_width(1)
+
+    def _modules(self, hf, pack: bool, hint: int) -> None:
+        """Projections (packed; fused qkv_proj / gate_up_proj as they are), norms per the recipe's family."""
+        fam = self.recipe.family
+
+        def lin(mods):
+            return _Linear(mods, pack, hint)
+
+        def norms(name):
+            return [None if name is None else _Norm(getattr(l, name), fam.norm) for l in self.layers]
+
+        attn, mlp = [l.self_attn for l in self.layers], [l.mlp for l in self.layers]
+        if fam.fused:
+            self.qkv, self.gate_up = [lin([a.qkv_proj]) for a in attn], [lin([m.gate_up_proj]) for m in mlp]
+        else:
+            self.qkv = [lin([a.q_proj, a.k_proj, a.v_proj]) for a in attn]
+            self.gate_up = [lin([m.gate_proj, m.up_proj]) for m in mlp]
+        self.o, self.down = [lin([a.o_proj]) for a in attn], [lin([m.down_proj]) for m in mlp]
+        self.lm_head = lin([hf.lm_head])
+        self.embedding = _Embedding(self.embed, self.recipe.embed_scale, pack)
+        self.attn_in, self.attn_out = norms(fam.attn_in), norms(fam.attn_out)
+        self.mlp_in, self.mlp_out = norms(fam.mlp_in), norms(fam.mlp_out)
+        self.norm = _Norm(hf.model.norm, fam.norm)
+        self.q_norm = [_Norm(a.q_norm, fam.norm) for a in attn] if fam.qk_norm else None
+        self.k_norm = [_Norm(a.k_norm, fam.norm) for a in attn] if fam.qk_norm else None
+        self.act = self.recipe.act
+
+    def _rope_table(self, rope: arch.Rope, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin_signed), each (max_len, rotary_dim): HF's emb = cat(freqs, freqs), cos/sin times
+        attention_scaling, cast to the model dtype (float32 kept for olmo2); sin_signed = cat(-sin1, sin2)
+        (see cpu_kernels.rope_ref)."""
+        pos = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * rope.inv_freq.to(self.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dt = torch.float32 if self.rope_fp32 else self.dtype
+        cos, sin = (emb.cos() * rope.scaling).to(dt), (emb.sin() * rope.scaling).to(dt)
+        half = sin.shape[1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=1)
 
     def set_width(self, width: int) -> None:
         """Sequences per group slot (the engine sets it while nothing runs); drops the group KV."""
@@ -198,13 +287,14 @@ class Runner:
         self.v_cache[:, dst] = self.v_slot[:, gs, :, off].transpose(1, 2)
 
     def refresh_weights(self) -> None:
-        """Rebuild the packed weight copies from the model's current weights."""
-        for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head):
+        """Rebuild the packed weight copies (LoRA layers merged) from the model's current weights."""
+        for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, self.embedding):
             lin.refresh()
 
     @staticmethod
     def kv_bytes_per_token(model, dtype=None) -> int:
-        cfg = model.config
+        cfg = unwrap(model).config
+        arch.check_type(cfg)  # the engine sizes its cache first: refuse an unknown architecture before reading its shape
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         el = (dtype or next(model.parameters()).dtype).itemsize
         return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * el
@@ -231,25 +321,64 @@ class Runner:
         """tokens/positions (N,) -> final hidden (N, H). `attend(layer, q, k, v)` -> (N, heads*D);
         k/v (N, kv_heads, D) are the new tokens' keys/values, already written to the paged cache at
         `slots` (N,) unless slots is None (decode over the group KV, which writes its own)."""
-        N = tokens.shape[0]
-        x = F.embedding(tokens, self.embed.weight)
-        cos, sin = self.cos[positions], self.sin_signed[positions]  # (N, D)
-        nq, nk, D = self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.head_dim
-        for i, layer in enumerate(self.layers):
-            qkv = self.qkv[i](_rmsnorm(x, layer.input_layernorm))
-            qk = cpu_kernels.rope(qkv[:, :nq + nk].view(N, self.n_heads + self.n_kv, D), cos, sin)  # q and k heads at once (eager off CPU)
-            q, k, v = qk[:, :self.n_heads], qk[:, self.n_heads:], qkv[:, nq + nk:].view(N, self.n_kv, D)
+        x = self.embedding(tokens)
+        ropes = list(zip(self.cos[:, positions].unbind(0), self.sin_signed[:, positions].unbind(0)))  # (N, rotary_dim) per table
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, x, *ropes[self.rope_of[i]])
             if slots is not None:
                 self.k_cache[i].index_copy_(0, slots, k)
                 self.v_cache[i].index_copy_(0, slots, v)
-            x = self.o[i](attend(i, q, k, v), residual=x)  # x + o_proj(attn)
-            gu = self.gate_up[i](_rmsnorm(x, layer.post_attention_layernorm))
+            x = _residual(self.o[i], attend(i, q, k, v), x, self.attn_out[i])  # x + [post-norm] o_proj(attn)
+            gu = self.gate_up[i](x if self.mlp_in[i] is None else self.mlp_in[i](x))
             I = gu.shape[1] // 2
-            x = self.down[i](F.silu(gu[:, :I]) * gu[:, I:], residual=x)  # x + down(silu(gate) * up)
-        return _rmsnorm(x, self.norm)
+            x = _residual(self.down[i], self.act(gu[:, :I]) * gu[:, I:], x, self.mlp_out[i])  # x + down(act(gate) * up)
+        return self.norm(x)
+
+    def _qkv(self, i: int, x, cos, sin):
+        """Layer i's attention inputs from the residual stream x (N, H): q (N, heads, D), k/v (N, kv_heads, D),
+        q/k normed (over all of q / k, or per head) and rotated."""
+        N, H, KV, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv[i](x if self.attn_in[i] is None else self.attn_in[i](x))
+        nq, nk = H * D, KV * D
+        v = qkv[:, nq + nk:].view(N, KV, D)
+        if self.fast_qk:  # q and k heads at once (fused kernel for bf16 CPU, eager elsewhere)
+            qk = cpu_kernels.rope(qkv[:, :nq + nk].view(N, H + KV, D), cos, sin)
+            return qk[:, :H], qk[:, H:], v
+        q, k = qkv[:, :nq], qkv[:, nq:nq + nk]
+        if self.qk_norm == "full":  # olmo2: over the whole projection, before the reshape into heads
+            q, k = self.q_norm[i](q), self.k_norm[i](k)
+        q, k = q.reshape(N, H, D), k.reshape(N, KV, D)
+        if self.qk_norm == "head":  # qwen3, gemma3: over head_dim of each head
+            q, k = self.q_norm[i](q), self.k_norm[i](k)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _rope(self, x, cos, sin):
+        """x (N, heads, D) rotated on its first rotary_dim = cos.shape[1] dims, the rest passed through
+        (partial rotary, phi3); olmo2 rotates in float32 (its cos/sin) and casts back."""
+        rd = cos.shape[1]
+        if rd < x.shape[-1]:
+            return torch.cat((self._rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+        if self.rope_fp32:
+            return cpu_kernels.rope_ref(x, cos, sin).to(x.dtype)
+        return cpu_kernels.rope(x, cos, sin)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        out = self.lm_head(hidden)
+        c = self.recipe.final_softcap
+        return out if c is None else torch.tanh(out / c) * c  # gemma: final logit soft-cap
+
+    def _prefill_masks(self, cached: int, L: int) -> dict:
+        """{window: bool mask (L - cached, L) of queries at positions cached..L-1 over keys 0..L-1, or None
+        for plain causal attention from position 0}; key j visible to query i iff j <= i and i - j < window."""
+        qpos = torch.arange(cached, L, device=self.device)[:, None]
+        kpos = torch.arange(L, device=self.device)[None, :]
+        masks = {}
+        for w in self.window_set:
+            if cached == 0 and (w is None or w >= L):
+                masks[w] = None
+            else:
+                masks[w] = (kpos <= qpos) if w is None else (kpos <= qpos) & (qpos - kpos < w)
+        return masks
 
     @torch.inference_mode()
     def prefill(self, seqs: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
@@ -263,23 +392,20 @@ class Runner:
             toks.extend(token_ids[cached:])
             pos.extend(p)
             slots.extend(table[j // bs] * bs + j % bs for j in p)
-            spans.append((len(toks) - (L - cached), L - cached, L, cached, table))
+            spans.append((len(toks) - (L - cached), L - cached, L, self._prefill_masks(cached, L)))
         tokens = torch.tensor(toks, device=dev)
         positions = torch.tensor(pos, device=dev)
-        tables = [torch.tensor(t[4], device=dev).unsqueeze(0) for t in spans]
-        G, D = self.group, self.head_dim
+        tables = [torch.tensor(t, device=dev).unsqueeze(0) for _, _, t in seqs]
+        G, scale, cap = self.group, self.recipe.scale, self.recipe.attn_softcap
 
         def attend(i, q, _k, _v):
             out = []
-            for (start, n, L, cached, _), table in zip(spans, tables):
+            for (start, n, L, masks), table in zip(spans, tables):
                 qi = q[start:start + n].transpose(0, 1)  # (heads, n, D)
                 k = self._gather(self.k_cache[i], table)[0, :, :L].repeat_interleave(G, dim=0)  # (heads, L, D)
                 v = self._gather(self.v_cache[i], table)[0, :, :L].repeat_interleave(G, dim=0)
-                if cached == 0:
-                    o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, scale=D ** -0.5)
-                else:  # query j (position cached + j) sees keys 0..cached + j
-                    mask = torch.arange(L, device=dev)[None, :] <= torch.arange(cached, L, device=dev)[:, None]
-                    o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=D ** -0.5)
+                mask = masks[self.windows[i]]  # None: causal from 0; else query j (position cached + j) sees keys <= cached + j
+                o = _attention(qi, k, v, scale, mask, causal=mask is None, softcap=cap)
                 out.append(o.transpose(0, 1).reshape(n, -1))
             return torch.cat(out, 0)
 
@@ -298,15 +424,37 @@ class Runner:
         tables = block_tables[rows, :int(positions.max()) // bs + 1]  # (B, nb)
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
         T = tables.shape[1] * bs
-        mask = (torch.arange(T, device=self.device)[None, :] <= positions[:, None]).view(B, 1, 1, T)
-        scale = self.head_dim ** -0.5
+        kpos, qpos = torch.arange(T, device=self.device)[None, :], positions[:, None]
+        masks = {w: ((kpos <= qpos) if w is None else (kpos <= qpos) & (qpos - kpos < w)).view(B, 1, 1, T)
+                 for w in self.window_set}
+        scale, cap = self.recipe.scale, self.recipe.attn_softcap
 
         def attend(i, q, _k, _v):
-            q = q.view(B, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
+            q = q.reshape(B, self.n_kv, self.group, self.head_dim)  # the G query heads of a KV head as G rows
             k, v = self._gather(self.k_cache[i], tables), self._gather(self.v_cache[i], tables)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).reshape(B, -1)
+            return _attention(q, k, v, scale, masks[self.windows[i]], softcap=cap).reshape(B, -1)
 
         return self.logits(self._forward(tokens, positions, slots, attend))
+
+    def _slot_masks(self, positions, rows, last, ngs: int, L: int) -> dict:
+        """{window: additive mask (ngs, 1, W*G, L)} over the group KV: key o is visible to slot s iff o < P
+        (prompt) or it is s's own token ((o - P) % W == s % W and o <= last[s]), and, with a window, its
+        position (o, or P + (o - P) // W) is within the window of s's position. Idle slots see key 0."""
+        W, G, S = self.width, self.group, ngs * self.width
+        o = torch.arange(L, device=self.device)
+        P_s = self.prompt_len[:ngs].repeat_interleave(W).unsqueeze(1)  # (S, 1)
+        own = ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
+        vis = (o < P_s) | own
+        vis[:, 0] |= last < 0  # idle slots: something finite
+        if any(w is not None for w in self.window_set):
+            kpos = torch.where(o < P_s, o, P_s + torch.div(o - P_s, W, rounding_mode="floor"))  # (S, L)
+            qpos = torch.zeros(S, dtype=torch.long, device=self.device).index_copy_(0, rows, positions).unsqueeze(1)
+        masks = {}
+        for w in self.window_set:
+            v = vis if w is None else vis & (qpos - kpos < w)
+            m = torch.zeros(S, L, dtype=self.dtype, device=self.device).masked_fill_(~v, float("-inf"))
+            masks[w] = m.view(ngs, W, 1, L).expand(ngs, W, G, L).reshape(ngs, 1, W * G, L)
+        return masks
 
     def _slot_attend(self, positions, rows):
         """Decode attention over the group KV: one SDPA call, one task per (group slot, KV head).
@@ -314,9 +462,9 @@ class Runner:
         Queries of a group slot: its `width` sequences x the G query heads of each KV head, (W*G, D);
         keys: the region's first P + W*(t+1) entries (prompt once + every sample's tokens), with an
         additive mask that lets sample m see the prompt and its own tokens (p - P)*W + m <= its
-        position. A group of 8 samples thus reads its prompt once instead of 8 times, in 8x fewer,
-        larger tasks (CPU flash attention pays a fixed cost per task). The new k/v are written to the
-        region first; queries go into slot order (idle slots in range see finite garbage, then dropped)."""
+        position (`_slot_masks`). A group of 8 samples thus reads its prompt once instead of 8 times, in
+        8x fewer, larger tasks (CPU flash attention pays a fixed cost per task). The new k/v are written to
+        the region first; queries go into slot order (idle slots in range see finite garbage, then dropped)."""
         W, G, kv, D = self.width, self.group, self.n_kv, self.head_dim
         gs, m = rows // W, rows % W
         P = self.prompt_len[gs]
@@ -327,15 +475,8 @@ class Runner:
         last = torch.full((S,), -1, dtype=torch.long, device=self.device).index_copy_(0, rows, off)  # idle: -1
         L = int(last.max()) + 1
         self._ensure_slot_kv(L)
-        # mask (ngs, 1, W*G, L): key o is visible to slot s iff o < P (prompt) or (o - P) % W == s % W and o <= last[s]
-        o = torch.arange(L, device=self.device)
-        P_s = self.prompt_len[:ngs].repeat_interleave(W).unsqueeze(1)  # (S, 1)
-        own = ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
-        vis = (o < P_s) | own
-        vis[:, 0] = True  # idle slots: something finite
-        mask = torch.zeros(S, L, dtype=self.dtype, device=self.device).masked_fill_(~vis, float("-inf"))
-        mask = mask.view(ngs, W, 1, L).expand(ngs, W, G, L).reshape(ngs, 1, W * G, L)
-        scale = D ** -0.5
+        masks = self._slot_masks(positions, rows, last, ngs, L)
+        scale, cap = self.recipe.scale, self.recipe.attn_softcap
 
         def attend(i, q, k, v):
             self.k_slot[i, gs, :, off] = k
@@ -343,7 +484,7 @@ class Runner:
             q = q.reshape(-1, kv, G, D)
             qs = q if ident else q.new_zeros(S, kv, G, D).index_copy_(0, rows, q)
             qs = qs.view(ngs, W, kv, G, D).transpose(1, 2).reshape(ngs, kv, W * G, D)
-            o_ = F.scaled_dot_product_attention(qs, self.k_slot[i, :ngs, :, :L], self.v_slot[i, :ngs, :, :L], attn_mask=mask, scale=scale)
+            o_ = _attention(qs, self.k_slot[i, :ngs, :, :L], self.v_slot[i, :ngs, :, :L], scale, masks[self.windows[i]], softcap=cap)
             o_ = o_.view(ngs, kv, W, G, D).transpose(1, 2).reshape(S, -1)
             return o_ if ident else o_[rows]
 

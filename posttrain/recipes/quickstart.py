@@ -66,6 +66,9 @@ def run_eval_stage(cfg: EvalConfig, model: str, out: Path, label: str) -> dict:
 
 def print_plan(run_dir: Path) -> None:
     p = json.loads((run_dir / "plan.json").read_text())["predicted"]
+    if any(p.get(k) is None for k in ("params", "peak_bytes_estimate", "flops_per_step")):  # the planner could not tell
+        print(f"      plan: not predicted ({'; '.join(p.get('notes', [])) or 'see plan.json'})", flush=True)
+        return
     gib = p["peak_bytes_estimate"] / 2**30
     secs = p.get("seconds_per_step")
     per_step = f"{secs:.1f} s/step" if isinstance(secs, (int, float)) else "time: no hardware profile"

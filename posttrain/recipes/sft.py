@@ -390,7 +390,7 @@ def plan_comparison(plan: dict) -> dict:
     return {
         "tokens predicted (data plan)": pred["data_plan"]["tokens"],
         "tokens counted": meas["tokens"],
-        "flops predicted": pred["flops_per_token"] * pred["data_plan"]["tokens"],
+        "flops predicted": None if pred.get("flops_per_token") is None else pred["flops_per_token"] * pred["data_plan"]["tokens"],
         "peak memory predicted (bytes)": pred["peak_bytes_estimate"],
         "peak RSS growth measured (bytes)": meas["peak_rss_growth_bytes"],
         "seconds measured": meas["seconds"],

@@ -27,13 +27,19 @@ def predict_run(cfg, model, method: str, *, steps: int, hardware: bool = True, *
     its architecture, `cfg.dtype`, at least one step, the LoRA rank when `cfg` has LoRA settings, the
     recipes' chunked lm_head (no full logit copies) and, with `hardware`, this machine's measured speed
     (plan.cpu.run_hardware). `keys`: the method's own planner keys (batch, seq_len, micro_batch, ...)."""
-    common = {"dtype": plan_dtype(cfg.dtype), "steps": max(steps, 1), "logit_copies": 0}
-    lora = getattr(cfg, "lora", None)
-    if lora is not None:
-        common["lora_r"] = lora.r if lora.enabled else 0
+    common = {"dtype": plan_dtype(cfg.dtype), "steps": max(steps, 1), "logit_copies": 0, **memory_saver_keys(cfg)}
     if hardware:
         common.update(run_hardware(model, cfg.dtype, cfg.mixed_precision))
-    return predict(unwrap(model).config, method, **common, **keys)
+    return predict(unwrap(model), method, **common, **keys)
+
+
+def memory_saver_keys(cfg) -> dict:
+    """The planner keys of a recipe config's LoRA and gradient checkpointing settings."""
+    keys = {"gradient_checkpointing": bool(getattr(cfg, "gradient_checkpointing", False))}
+    lora = getattr(cfg, "lora", None)
+    if lora is not None and lora.enabled:
+        keys.update(lora_r=lora.r, lora_targets=lora.target_modules)
+    return keys
 
 
 def planned_tokens(sampler, steps: int, batch_size: int, item_tokens: list[int]) -> list[int]:

@@ -228,5 +228,5 @@ def plan_run(run: LogitRun) -> dict:
                        "cache_bytes": cache.meta["tokens"] * cache_mod.bytes_per_token(cache.meta["vocab"], cfg.top_k, cfg.cache_dtype),
                        "tokens_to_score": cache.meta["tokens"] if run.cache_info["built"] else 0,
                        "forward_tokens": forward_tokens if run.cache_info["built"] else 0,
-                       "forward_flops": 2 * n_teacher * forward_tokens if run.cache_info["built"] else 0}
+                       "forward_flops": 2 * n_teacher * forward_tokens if run.cache_info["built"] and n_teacher else 0}
     return pred

@@ -225,9 +225,10 @@ def plan_run(run: OnPolicyRun) -> dict:
                    batch=cfg.prompts_per_step, group=cfg.group_size, seq_len=cfg.sampling.max_new_tokens,
                    prompt_len=prompt_len, micro_batch=cfg.prompts_per_step * cfg.group_size, steps=max(cfg.max_steps, 1),
                    dtype=plan_dtype(cfg.dtype), logit_copies=0)
-    teacher_phase = next(p for p in pred["phases"] if p["phase"] == "teacher")
-    pred["teacher"] = {"scored_tokens_per_step": pred["generated_tokens_per_step"],
-                       "flops_per_step": teacher_phase["flops_per_step"],
-                       "share_of_step_flops": teacher_phase["flops_per_step"] / pred["flops_per_step"]}
+    teacher_phase = next((p for p in pred.get("phases", []) if p["phase"] == "teacher"), None)
+    if teacher_phase is not None and teacher_phase.get("flops_per_step") is not None and pred.get("flops_per_step"):
+        pred["teacher"] = {"scored_tokens_per_step": pred["generated_tokens_per_step"],
+                           "flops_per_step": teacher_phase["flops_per_step"],
+                           "share_of_step_flops": teacher_phase["flops_per_step"] / pred["flops_per_step"]}
     return pred
 

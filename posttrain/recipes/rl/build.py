@@ -39,6 +39,7 @@ from posttrain.systems.dist import rank_device
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.optim import build_optimizer
+from posttrain.training.plan import memory_saver_keys
 from posttrain.training.run import init_ranks, seed_everything
 
 
@@ -160,7 +161,7 @@ def plan_run(run: RLRun, model: torch.nn.Module) -> dict:
     extra = {"value_model": True} if method == "ppo" else {}
     inputs = run.rollout.plan_inputs(run)
     method = inputs.pop("method", method)
-    return predict(unwrap(model).config, method, **extra, **inputs, batch=cfg.prompts_per_step, group=cfg.group_size,
-                   beta=cfg.resolved_beta, reward="verifier",
+    return predict(unwrap(model), method, **extra, **inputs, batch=cfg.prompts_per_step, group=cfg.group_size,
+                   beta=cfg.resolved_beta, reward="verifier", **memory_saver_keys(cfg),
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
                    steps=max(cfg.max_steps, 1), logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))

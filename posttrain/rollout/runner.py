@@ -74,16 +74,17 @@ class _Embedding:
     embedding's merged weight is kept by `refresh()` when packing; a plain one is read in place."""
 
     def __init__(self, mod, scale: float | None, pack: bool):
-        self.mod, self.pack, self.w = mod, pack, None
+        self.mod, self.pack, self.w, self.lora = mod, pack, None, arch.is_lora(mod)
         w = mod.weight  # (a LoRA embedding's base weight: same device and dtype)
         self.scale = None if scale is None else torch.tensor(scale).to(device=w.device, dtype=w.dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        self.w = effective_weight(self.mod)[0] if self.pack and arch.is_lora(self.mod) else None
+        self.w = effective_weight(self.mod)[0] if self.pack and self.lora else None
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(tokens, self.w if self.w is not None else effective_weight(self.mod)[0])
+        w = self.w if self.w is not None else (effective_weight(self.mod)[0] if self.lora else self.mod.weight)
+        x = F.embedding(tokens, w)
         return x if self.scale is None else x * self.scale
 
 
@@ -121,6 +122,7 @@ class _Linear:
 
     def __init__(self, mods, pack: bool, batch_hint: int = 64):
         self.mods, self.pack, self.batch_hint = mods, pack, batch_hint
+        self.lora = [arch.is_lora(m) for m in mods]  # LoRA layers: read merged (arch.effective_weight)
         self.w = self.b = None  # the packed copy: oneDNN blocked (self.onednn) or W^T
         self.onednn = False
 
@@ -146,7 +148,8 @@ class _Linear:
         if self.pack:
             out = x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
         else:
-            outs = [F.linear(x, *effective_weight(m)) for m in self.mods]
+            outs = [F.linear(x, *(effective_weight(m) if lora else (m.weight, getattr(m, "bias", None))))
+                    for m, lora in zip(self.mods, self.lora)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         return out if residual is None else out.add_(residual)
 
@@ -188,6 +191,7 @@ class Runner:
         tables = [self._rope_table(t, max_model_len) for t in r.ropes]  # one per layer type (gemma3), else one
         self.cos = torch.stack([c for c, _ in tables])  # (tables, max_len, rotary_dim)
         self.sin_signed = torch.stack([s for _, s in tables])
+        self._tables = [(self.cos[t], self.sin_signed[t]) for t in range(len(tables))]  # views, indexed per step
         rotary = self.cos.shape[2]
         self.qk_norm = r.family.qk_norm
         # Llama's path: q and k heads rotated in one (fused) call, straight from the q|k|v projection
@@ -322,7 +326,7 @@ class Runner:
         k/v (N, kv_heads, D) are the new tokens' keys/values, already written to the paged cache at
         `slots` (N,) unless slots is None (decode over the group KV, which writes its own)."""
         x = self.embedding(tokens)
-        ropes = list(zip(self.cos[:, positions].unbind(0), self.sin_signed[:, positions].unbind(0)))  # (N, rotary_dim) per table
+        ropes = [(cos[positions], sin[positions]) for cos, sin in self._tables]  # (N, rotary_dim) per table
         for i in range(len(self.layers)):
             q, k, v = self._qkv(i, x, *ropes[self.rope_of[i]])
             if slots is not None:
@@ -445,7 +449,10 @@ class Runner:
         P_s = self.prompt_len[:ngs].repeat_interleave(W).unsqueeze(1)  # (S, 1)
         own = ((o - P_s) % W == (torch.arange(S, device=self.device) % W).unsqueeze(1)) & (o <= last.unsqueeze(1))
         vis = (o < P_s) | own
-        vis[:, 0] |= last < 0  # idle slots: something finite
+        if self.window_set == [None]:
+            vis[:, 0] = True  # idle slots: something finite (live ones see key 0, their prompt's first token, anyway)
+        else:
+            vis[:, 0] |= last < 0  # only idle slots: key 0 may lie outside a live slot's window
         if any(w is not None for w in self.window_set):
             kpos = torch.where(o < P_s, o, P_s + torch.div(o - P_s, W, rounding_mode="floor"))  # (S, L)
             qpos = torch.zeros(S, dtype=torch.long, device=self.device).index_copy_(0, rows, positions).unsqueeze(1)

@@ -453,8 +453,7 @@ class Runner:
             vis[:, 0] = True  # idle slots: something finite (live ones see key 0, their prompt's first token, anyway)
         else:
             vis[:, 0] |= last < 0  # only idle slots: key 0 may lie outside a live slot's window
-        if any(w is not None for w in self.window_set):
-            kpos = torch.where(o < P_s, o, P_s + torch.div(o - P_s, W, rounding_mode="floor"))  # (S, L)
+            kpos = torch.where(o < P_s, o, P_s + torch.div(o - P_s, W, rounding_mode="floor"))  # (S, L) key positions
             qpos = torch.zeros(S, dtype=torch.long, device=self.device).index_copy_(0, rows, positions).unsqueeze(1)
         masks = {}
         for w in self.window_set:

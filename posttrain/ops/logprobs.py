@@ -12,8 +12,8 @@ and applies
 so the memory of the head is one tile of logits, never N × V (Gemma 3: 4096 tokens × 262,144 × 4 B =
 4.3 GB). A tile holds at most `tile_elements` numbers: 8x the hidden-state rows it is computed from,
 between 1 MB and 128 MB in fp32, whatever the vocabulary. When the whole (N, V) softmax is no
-larger than the head's weight matrix (N <= hidden size) and than 128 MB, the forward keeps it for
-the backward instead (no second head matmul). Entropy of the full distribution is returned as a
+larger than the head's weight and its gradient (N <= 2 x hidden size), which exist anyway, and than
+128 MB, the forward keeps it for the backward instead (no second head matmul). Entropy of the full distribution is returned as a
 detached metric on request (online too: H = lse − Σ p z).
 
 Sampling with top-k / top-p draws from a kept set that only the whole row's logits define:
@@ -110,7 +110,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         V = weight.shape[0]
         rows = max(1, min(n, chunk))
         cols = max(1, tile_elements(rows, H) // rows)
-        keep = n <= rows and n <= H and n * V <= KEEP_MAX  # the softmax no larger than W itself: keep it
+        keep = n <= rows and n <= 2 * H and n * V <= KEEP_MAX  # softmax no larger than W and its gradient: keep it
         if keep:
             z, slope = _tile(hidden, weight, bias, 0, V, hm, slope=True)
             lse = torch.logsumexp(z, -1)

@@ -62,6 +62,9 @@ def logit_head(model) -> LogitHead:
     """The head of `model` as ops.logprobs applies it, with the tensors of this call (build one per forward)."""
     inner = unwrap(model)
     lm_head = inner.get_output_embeddings()
+    if hasattr(lm_head, "base_layer"):  # a PEFT adapter on lm_head: its weight alone is not the head
+        raise UserError(f"{type(inner).__name__}: an adapter on the output embeddings is not supported "
+                        "(posttrain applies lm_head from its weight); leave lm_head out of the LoRA targets")
     scale, cap = head_transform(inner.config)
     head = LogitHead(lm_head.weight, getattr(lm_head, "bias", None), scale, cap)
     if inner not in _checked:
@@ -89,8 +92,9 @@ def check_logit_head(inner, head: LogitHead, tokens: int = 8) -> None:
     hooks = [backbone.register_forward_hook(on_backbone), lm_head.register_forward_hook(on_head)]
     vocab = head.weight.shape[0]
     ids = ((torch.arange(tokens) * 7919 + 11) % vocab)[None].to(head.weight.device)
-    try:
-        with torch.autocast(ids.device.type, enabled=False):
+    cuda = [ids.device] if ids.device.type == "cuda" else []
+    try:  # the random state is restored: a dropout in the check must not shift a resumed run's draws
+        with torch.autocast(ids.device.type, enabled=False), torch.random.fork_rng(devices=cuda):
             logits = inner(input_ids=ids, use_cache=False).logits
     finally:
         for hk in hooks:

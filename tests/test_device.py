@@ -109,7 +109,9 @@ def test_hub_id_is_passed_to_from_pretrained(monkeypatch, tiny_tok):
     model = loading.load_model("some-org/some-model", dtype="bfloat16", device="cpu")
     loading.load_tokenizer("some-org/some-model")
     assert seen == [("model", "some-org/some-model", torch.bfloat16), ("tokenizer", "some-org/some-model", None)]
-    assert model.config._attn_implementation == "posttrain_sdpa"
+    from posttrain.ops.attention import NAME
+
+    assert model.config._attn_implementation == NAME
 
 
 def test_other_missing_names_still_say_what_is_accepted():

@@ -4,8 +4,8 @@
     outs = engine.generate([Request(prompt_ids, SamplingParams(n=8, temperature=1.0, max_new_tokens=64))])
 
 Parts (like nano-vllm): `sequence` (state of one sample), `kv` (paged blocks, prefix cache),
-`scheduler` (admission, growth, preemption; model-free), `runner` (compact Llama/Qwen2 forward over
-the KV cache), and this file: per-slot tensors and `step()`, which reads top to bottom:
+`scheduler` (admission, growth, preemption; model-free), `runner` + `arch` (one decoder forward over the
+KV cache for the families in runner.SUPPORTED), and this file: per-slot tensors and `step()`, which reads top to bottom:
 schedule -> forward -> sample -> record/finish.
 
 Per-sequence sampling state lives in tensors indexed by slot (temperature, top-k/p, seed, stop ids,

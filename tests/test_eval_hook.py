@@ -72,7 +72,7 @@ def test_sft_logs_held_out_pass_at_1_at_eval_steps(tmp_path):
     for r in rows:
         if "eval/pass@1" in r:
             assert r["eval/pass@1_low"] <= r["eval/pass@1"] <= r["eval/pass@1_high"] and "eval/pass@2" in r and "eval/loss" in r
-    assert (tmp_path / "run" / "plot_eval_pass@1.png").is_file()  # plotted beside the training curves
+    assert ">eval/pass@1</text>" in (tmp_path / "run" / "report.html").read_text()  # charted beside the training curves
 
 
 def test_hook_runs_on_the_rl_recipes_engine_and_reward(tmp_path):

@@ -247,3 +247,16 @@ def test_the_names_report_to_accepts_are_the_sinks_there_are():
     from posttrain.monitor.sinks import SINKS
 
     assert set(SINK_REQUIREMENTS) == set(SINKS)  # the names live in config.py, the classes in monitor/sinks.py
+
+
+def test_svg_chart_scales_points_into_the_box():
+    """The report's per-metric chart: every point inside the plot box, y extremes labelled, NaN skipped."""
+    import re
+
+    from posttrain.monitor.report import svg_plot
+
+    svg = svg_plot("loss", [1, 2, 3, 4], [2.0, float("nan"), 1.0, 0.5])
+    pts = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+    assert len(pts) == 3 and all(46 <= x <= 292 and 20 <= y <= 128 for x, y in pts)
+    assert pts[0][1] == 20.0 and pts[-1][1] == 128.0  # max at the top, min at the bottom
+    assert ">2</text>" in svg and ">0.5</text>" in svg and svg_plot("flat", [1, 2], [3.0, 3.0]).count("<circle") == 2

@@ -37,8 +37,9 @@ def test_sft_lowers_loss_and_writes_run_dir(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["loss"] < 0.7 * rows[0]["loss"]
     assert "eval/loss" in rows[5] and summary["final_eval_loss"] < rows[0]["loss"]
-    for name in ["config.yaml", "metrics.jsonl", "samples.jsonl", "report.html", "plot_loss.png", "summary.json"]:
+    for name in ["config.yaml", "metrics.jsonl", "samples.jsonl", "report.html", "dashboard.png", "summary.json"]:
         assert (out / name).is_file(), name
+    assert "<svg" in (out / "report.html").read_text() and ">loss</text>" in (out / "report.html").read_text()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-12", "step-8"]
     assert "probe_loss_delta" in summary and 0 <= summary["padding_fraction"] < 0.5
     model = AutoModelForCausalLM.from_pretrained(out / "final")

@@ -130,7 +130,11 @@ def plot_dashboard(rows: list[dict], path: str | Path, columns: int = 3) -> Path
         _draw(ax, panel, rows, minutes)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.tight_layout()
+    # fixed margins in inches (tight_layout measured every label: most of the report's time); room for a
+    # right-hand twin axis label and a two-line x label
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.75 / width, bottom=0.75 / height, top=1 - 0.35 / height,
+                        wspace=0.42, hspace=0.5)
     path = Path(path)
     fig.savefig(path)
     plt.close(fig)

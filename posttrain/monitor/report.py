@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +27,38 @@ def _series(rows: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
-def plot_metrics(rows: list[dict], out_dir: Path, max_plots: int = 24) -> list[str]:
-    import matplotlib
+def svg_plot(name: str, xs: list[int], ys: list[float], width: int = 300, height: int = 150) -> str:
+    """One metric against step as an inline SVG line chart (title, min/max of y, first/last step): drawn
+    in Python, no plotting library, so a report of 24 metrics costs milliseconds."""
+    pts = [(x, y) for x, y in zip(xs, ys) if math.isfinite(y)]
+    left, right, top, bottom = 46, 8, 20, 22
+    w, h = width - left - right, height - top - bottom
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="10">',
+             f'<text x="{width / 2}" y="13" text-anchor="middle" font-size="11">{html.escape(name)}</text>',
+             f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="none" stroke="#ccc"/>']
+    if pts:
+        x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+        y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+        sx = w / (x1 - x0) if x1 > x0 else 0.0
+        sy = h / (y1 - y0) if y1 > y0 else 0.0
+        xy = [(left + (x - x0) * sx if sx else left + w / 2, top + h - (y - y0) * sy if sy else top + h / 2) for x, y in pts]
+        parts.append('<polyline fill="none" stroke="#1f77b4" stroke-width="1.3" points="'
+                     + " ".join(f"{a:.1f},{b:.1f}" for a, b in xy) + '"/>')
+        if len(xy) < 30:
+            parts += [f'<circle cx="{a:.1f}" cy="{b:.1f}" r="2" fill="#1f77b4"/>' for a, b in xy]
+        parts += [f'<text x="{left - 3}" y="{top + 8}" text-anchor="end">{y1:.4g}</text>',
+                  f'<text x="{left - 3}" y="{top + h}" text-anchor="end">{y0:.4g}</text>',
+                  f'<text x="{left}" y="{height - 6}">{x0}</text>',
+                  f'<text x="{left + w}" y="{height - 6}" text-anchor="end">step {x1}</text>']
+    return "".join(parts) + "</svg>"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_metrics(rows: list[dict], max_plots: int = 24) -> list[str]:
+    """Inline SVG charts of the numeric metrics with more than one value (eval/* always): PREFERRED first."""
     series = _series(rows)
     names = [k for k in PREFERRED if k in series] + sorted(k for k in series if k not in PREFERRED)
     names = [n for n in names if len(series[n][0]) > 1 or n.startswith("eval/")][:max_plots]
-    files = []
-    for name in names:
-        xs, ys = series[name]
-        fig, ax = plt.subplots(figsize=(4.2, 2.8), dpi=100)
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, linewidth=1.2)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fname = "plot_" + name.replace("/", "_") + ".png"
-        fig.savefig(out_dir / fname)
-        plt.close(fig)
-        files.append(fname)
-    return files
+    return [svg_plot(n, *series[n]) for n in names]
 
 
 def _table(data: dict[str, Any]) -> str:
@@ -66,12 +75,13 @@ def _table(data: dict[str, Any]) -> str:
 def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, Any]],
                  images: list[str] | None = None) -> Path:
     """Write run_dir/report.html: the grid of grouped training plots (monitor/dashboard.py), the summary
-    sections as tables, then `images` (PNG files in run_dir, e.g. a probe's plots), then one plot per metric."""
+    sections as tables, then `images` (PNG files in run_dir, e.g. a probe's plots), then one chart per metric
+    (inline SVG)."""
     run_dir = Path(run_dir)
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     grid = plot_dashboard(rows, run_dir / "dashboard.png")
-    plots = plot_metrics(rows, run_dir)
+    plots = plot_metrics(rows)
     samples = run_dir / "samples.jsonl"
     sample_html = ""
     if samples.exists():
@@ -81,7 +91,7 @@ def write_report(run_dir: str | Path, title: str, sections: dict[str, dict[str, 
             f"<pre class=c>{html.escape(str(s.get('completion', '')))}</pre></div>" for s in lines
         )
     body = "".join(f"<h2>{html.escape(name)}</h2>{_table(data)}" for name, data in sections.items() if data)
-    imgs = "".join(f'<img src="{p}" alt="{p}">' for p in plots)
+    imgs = "".join(plots)
     if images:
         body += "<h2>Plots</h2>" + "".join(f'<img src="{html.escape(p)}" alt="{html.escape(p)}">' for p in images)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>

@@ -41,9 +41,9 @@ from posttrain.recipes.distill.config import NO_REWARD, DistillConfig
 from posttrain.recipes.distill.teacher import (
     check_same_vocab_size,
     chunked_backward,
+    head_logits,
     load_checked_tokenizers,
     position_hidden,
-    position_logits,
     teacher_spec,
     write_distill_measured,
 )
@@ -123,12 +123,12 @@ def update(run: OnPolicyRun, batches) -> dict:
     sums: dict = {}
     rl_metrics = ph.TokenMeans()  # the RL term's metrics (token-weighted means, /min and /max extremes)
     for b in batches:
-        with r.timer("teacher"):  # 3.
-            t_logits = position_logits(run.teacher, b, cfg.mixed_precision, b.hidden_index, layout=b.layout)  # (M, V)
+        with r.timer("teacher"), torch.no_grad():  # 3. hidden states (M, H_t): logits per chunk in the loss, never (M x V)
+            t_hidden = position_hidden(run.teacher, b, cfg.mixed_precision, b.hidden_index, layout=b.layout)
             run.teacher_tokens += int(b.hidden_index.numel())
             run.teacher_forward_tokens += int(b.input_ids.numel())
         with r.timer("update"):  # 4.
-            for k, v in micro_batch_backward(run, b, t_logits, norms, rl_metrics).items():
+            for k, v in micro_batch_backward(run, b, t_hidden, norms, rl_metrics).items():
                 sums[k] = sums.get(k, 0.0) + v
     with r.timer("update"):
         lr = r.scheduler.get_last_lr()[0]
@@ -142,20 +142,24 @@ def update(run: OnPolicyRun, batches) -> dict:
     return {**row, **rl_metrics.result()}
 
 
-def micro_batch_backward(run: OnPolicyRun, b, t_logits: torch.Tensor, norms: dict, rl_metrics: ph.TokenMeans) -> dict:
-    """The micro-batch's exact share of the step's loss, backpropagated; -> metric sums over its loss tokens."""
+def micro_batch_backward(run: OnPolicyRun, b, t_hidden: torch.Tensor, norms: dict, rl_metrics: ph.TokenMeans) -> dict:
+    """The micro-batch's exact share of the step's loss, backpropagated; -> metric sums over its loss tokens.
+    `t_hidden` (M, H_t): the teacher's last hidden states; its logits are formed one chunk of rows at a time."""
     cfg, r = run.cfg, run.rl
     w = cfg.rl_weight
     mask = b.loss_mask[b.mask]  # (M,) bool, loss-token order (= hidden_index order)
     targets = b.targets
     div = distill_losses.get(cfg.resolved_divergence)
     _, head = backbone_and_head(r.model)
+    _, t_head = backbone_and_head(run.teacher)
 
-    def loss_of_chunk(z, sl):  # z (c, V) student logits with grad
+    def loss_of_chunk(z, sl):  # z (c, V) student logits with grad; the chunk's teacher logits (c, V), no graph
         m = mask[sl]
-        d, _ = div(z[None], m[None], teacher_logits=t_logits[sl][None], temperature=cfg.temperature, **cfg.divergence_args)
+        with torch.no_grad():
+            t_z = head_logits(t_head, t_hidden[sl])
+        d, _ = div(z[None], m[None], teacher_logits=t_z[None], temperature=cfg.temperature, **cfg.divergence_args)
         d = d[0] * m
-        lt = torch.log_softmax(t_logits[sl], -1).gather(1, targets[sl, None]).squeeze(1)
+        lt = torch.log_softmax(t_z, -1).gather(1, targets[sl, None]).squeeze(1)
         ls = torch.log_softmax(z.detach().float(), -1).gather(1, targets[sl, None]).squeeze(1)
         return (1 - w) * d.sum() / norms["tokens"], {"kd": d.sum().detach(), "teacher_logp": (lt * m).sum(),
                                                      "student_logp": (ls * m).sum()}

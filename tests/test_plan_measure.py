@@ -98,3 +98,19 @@ def test_predicted_peak_matches_a_measured_cpu_training_run():
     assert out.returncode == 0, out.stderr[-2000:]
     ratio = json.loads(out.stdout.strip().splitlines()[-1])["ratio"]
     assert 0.8 < ratio < 1.25, ratio
+
+
+def test_rl_plan_counts_the_engine_and_the_shared_prompt(tmp_path):
+    """The RL plan adds what the engine allocates (KV cache, packed weights: the engine's own count) to the peak,
+    and counts a group's prompt once in the activations (the trainer's shared-prefix forward)."""
+    import test_rl_recipe  # noqa: F401  registers the `space_share` reward run_rl uses
+    from conftest import run_rl
+    from posttrain.plan import predict
+
+    _, out = run_rl(tmp_path, "max_steps=1", "engine.kv_cache_mb=8")
+    p = json.loads((out / "plan.json").read_text())["predicted"]
+    assert 8 * 2**20 <= p["engine_bytes"] <= 8 * 2**20 + 4 * p["params"] * 4  # KV (8 MiB) + at most a few weight copies
+    keys = dict(batch=4, group=4, seq_len=12, prompt_len=20, micro_batch=16)
+    plain, shared = predict("tiny-random", "grpo", **keys), predict("tiny-random", "grpo", shared_prefix=True, **keys)
+    per_token = plain["activation_bytes"] / (16 * 32)
+    assert abs((plain["activation_bytes"] - shared["activation_bytes"]) - 4 * 3 * 20 * per_token) < 1e-6 * plain["activation_bytes"]

@@ -46,6 +46,10 @@ class PlanConfig(Config):
                               "comma list matched as PEFT does (q_proj,v_proj; phi3: qkv_proj,gate_up_proj,...)")
     gradient_checkpointing: bool = Field(False, description="trained models keep only each layer's input and recompute one layer "
                                          "at a time in backward: activations L·h + one layer per token; training 8 FLOPs/param/token")
+    engine_bytes: float = Field(0, ge=0, description="memory the generation engine holds beside the models for the whole run "
+                                "(its KV cache allocated up front, packed weight copies): a recipe passes its engine's own count")
+    shared_prefix: bool = Field(False, description="the training forward computes each group's prompt once and its samples "
+                                "attend to it (posttrain's RL trainer): (G - 1)·prompt_len fewer activation tokens per group")
     dtype: str = Field("bf16", description="dtype of frozen weights, KV cache and activations (bf16, fp16, fp32, fp8, int8, int4)")
     train_bytes_per_param: float = Field(16, gt=0, description="training state per trainable param (weights + grads + Adam m, v)")
     infer_bytes_per_param: Optional[float] = Field(None, gt=0, description="bytes per frozen param (default: from dtype)")

@@ -135,7 +135,7 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
     # ---- KV cache of the generating model, activations of the trained one, the peak
     memory = _transients(cfg, method, policy, sizes, phases, models, lora, sequences, tokens_per_seq,
                          act_bytes, kv_value_bytes)
-    peak = memory_total + memory.pop("transient") if memory_total is not None else None
+    peak = memory_total + memory.pop("transient") + cfg.engine_bytes if memory_total is not None else None
     trained = by_role.get("policy", by_role.get("reward", {}))
     out: dict[str, Any] = {
         "model": {"name": policy.name, "source": policy.source, "architecture": policy.arch.to_dict() if policy.arch else None},
@@ -151,6 +151,7 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         "models": models,
         "models_in_memory": len(models),
         "memory_bytes_total": memory_total,
+        "engine_bytes": cfg.engine_bytes,
         **memory,
         "peak_bytes_estimate": peak,
         "group": group,
@@ -312,6 +313,14 @@ def _phases(method: methods.Method, opt: methods.Options, by_role: dict[str, dic
     return phases
 
 
+def _trained_tokens(cfg: PlanConfig, micro: int, tokens_per_seq: int) -> int:
+    """Tokens of a micro-batch's forward: with a shared prefix each group's prompt runs once, (G − 1)·P fewer per group."""
+    if cfg.shared_prefix and cfg.group > 1 and cfg.prompt_len:
+        groups = max(micro // cfg.group, 1)
+        return micro * tokens_per_seq - groups * (cfg.group - 1) * cfg.prompt_len
+    return micro * tokens_per_seq
+
+
 def _transients(cfg: PlanConfig, method: methods.Method, policy: ModelSpec, sizes: dict, phases: list[dict],
                 models: list[dict], lora: dict | None, sequences: int, tokens_per_seq: int,
                 act_bytes: float, kv_value_bytes: float) -> dict:
@@ -329,7 +338,7 @@ def _transients(cfg: PlanConfig, method: methods.Method, policy: ModelSpec, size
     if a is not None:
         kv_per_token = a.kv_bytes_per_token(kv_value_bytes)
         mean, largest = a.activation_values_per_token()
-        activations = cost.activation_bytes(micro * tokens_per_seq, a.layers, a.hidden, a.intermediate,
+        activations = cost.activation_bytes(_trained_tokens(cfg, micro, tokens_per_seq), a.layers, a.hidden, a.intermediate,
                                             a.kv_heads * a.head_dim, a.vocab, act_bytes, cfg.logit_copies,
                                             checkpointing=cfg.gradient_checkpointing, layer_values=mean, layer_max=largest)
     trainable = _total(m["trainable"] for m in models)

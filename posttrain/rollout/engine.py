@@ -393,6 +393,10 @@ class Engine:
             self._rows = torch.tensor([s.slot for s in self.scheduler.running], dtype=torch.long, device=self.runner.device)
         return self._rows
 
+    def memory_bytes(self) -> int:
+        """Bytes this engine holds beside the model's own weights (KV cache, packed weights), for the planner."""
+        return self.runner.memory_bytes()
+
     def metrics(self) -> dict:
         d = self.stats.as_dict(self.kv_block_bytes, self.config.max_num_seqs)
         d["kv_in_use_mb"] = self.blocks.num_used * self.kv_block_bytes / 2**20

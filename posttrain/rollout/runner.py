@@ -169,6 +169,11 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
         return None
 
 
+def _weight(module):
+    """A linear module's weight tensor (a LoRA layer's base weight)."""
+    return getattr(module, "base_layer", module).weight
+
+
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True,
                  slot_kv_seqs: int = 0):
@@ -294,6 +299,13 @@ class Runner:
         """Rebuild the packed weight copies (LoRA layers merged) from the model's current weights."""
         for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, self.embedding):
             lin.refresh()
+
+    def memory_bytes(self) -> int:
+        """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
+        kv = self.k_cache.numel() * self.k_cache.element_size() * 2
+        packed = sum(_weight(m).numel() * _weight(m).element_size() for lin in (*self.qkv, *self.o, *self.gate_up, *self.down,
+                                                                             self.lm_head) if lin.pack for m in lin.mods)
+        return kv + packed
 
     @staticmethod
     def kv_bytes_per_token(model, dtype=None) -> int:

@@ -60,6 +60,7 @@ def setup(cfg: RLConfig) -> RLRun:
     agent = setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
     reward_fn = None if agent is not None else reward_of(cfg, rows)
     eval_hook = EvalHook(cfg.eval, tok, recipe_reward=reward_fn, default_sampling=cfg.sampling)  # data checked now
+    measured = Measured()  # RSS baseline before any model exists (the plan's peak counts the weights too)
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).to(device)
     model.train()
     # π_ref (β > 0 only; β = 0 loads none): a frozen copy, or with LoRA the policy's base (adapter off)
@@ -81,7 +82,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 kl_ctl, advantage_fn(cfg, critic), None if cfg.algo == "online_dpo" else policy_losses.get(cfg.resolved_loss),
                 cfg.resolved_agg,
                 cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
-                device, info=info, critic=critic, measured=Measured(), eval_hook=eval_hook,
+                device, info=info, critic=critic, measured=measured, eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
     if state:
@@ -162,6 +163,7 @@ def plan_run(run: RLRun, model: torch.nn.Module) -> dict:
     inputs = run.rollout.plan_inputs(run)
     method = inputs.pop("method", method)
     return predict(unwrap(model), method, **extra, **inputs, batch=cfg.prompts_per_step, group=cfg.group_size,
-                   beta=cfg.resolved_beta, reward="verifier", **memory_saver_keys(cfg),
+                   beta=cfg.resolved_beta, reward="verifier", **memory_saver_keys(cfg), shared_prefix=True,
+                   engine_bytes=getattr(run.engine, "memory_bytes", lambda: 0)(),
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
                    steps=max(cfg.max_steps, 1), logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))

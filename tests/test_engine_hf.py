@@ -25,8 +25,11 @@ def engine(model, **kw):
 
 
 def hf_greedy(model, prompt, n):
+    """n greedy tokens with no stop token, as the engine's ignore_eos (min_new_tokens would mask EOS out of HF's
+    argmax, so an argmax on the EOS id would differ)."""
     ids = torch.tensor([prompt])  # explicit mask: token 3 is the pad id and would be masked otherwise
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, eos_token_id=None)
+    assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()
 
 

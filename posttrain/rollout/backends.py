@@ -73,8 +73,9 @@ def choose(requested: str, model) -> tuple[str, str]:
 
 
 def model_type(model) -> str:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return str(getattr(inner.config, "model_type", "?"))
+    from posttrain.models.forward import unwrap  # torch
+
+    return str(getattr(unwrap(model).config, "model_type", "?"))
 
 
 def build_backend(requested: str, model, tok, engine_cfg, *, model_name: str = "", dtype: str = "float32",

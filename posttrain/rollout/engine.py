@@ -31,7 +31,7 @@ from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
 from posttrain.rollout.sequence import Group, Sequence
-from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
+from posttrain.rollout.types import Completion, Request, RequestOutput, check_request, default_stop_ids
 
 
 class EngineConfig(Config):
@@ -100,7 +100,7 @@ class Engine:
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_prefill_tokens)
-        self.default_eos = self._eos_ids()
+        self.default_eos = default_stop_ids(self.model, self.tokenizer)
         self.rng = random.Random(cfg.seed)
         self.stats = EngineStats()
         self._weights_version = self._version()
@@ -118,14 +118,6 @@ class Engine:
         self.out_kept = torch.zeros(S, self.max_model_len, dtype=torch.int32, device=dev)  # kept-set sizes
         self._slot_seq: dict[int, Sequence] = {}
         self._rows = None  # cached LongTensor of running slots
-
-    def _eos_ids(self) -> list[int]:
-        eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     # ------------------------------------------------------------ weights
     def _version(self):

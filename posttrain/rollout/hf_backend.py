@@ -18,18 +18,7 @@ import time
 
 import torch
 
-from posttrain.rollout.types import Completion, Request, RequestOutput, check_request
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    """The model's stop ids: generation_config, then config, then the tokenizer's eos (as the built-in engine)."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-
+from posttrain.rollout.types import Completion, Request, RequestOutput, check_request, default_stop_ids
 
 # Logits processors a model's generation_config.json may switch on (repetition penalty, min-p, ...) set to their
 # neutral values: the sampled distribution must be temperature / top-k / top-p only, the one the trainer recomputes.
@@ -48,7 +37,7 @@ class HFBackend:
         self.rng = random.Random(seed)
         limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
-        self.default_eos = _eos_ids(model, tokenizer)
+        self.default_eos = default_stop_ids(model, tokenizer)
         self.generated_tokens, self.seconds = 0, 0.0
 
     def sync_weights(self) -> None:

@@ -98,6 +98,17 @@ class RequestOutput:
         return self.error is None
 
 
+def default_stop_ids(model, tokenizer=None) -> list[int]:
+    """The stop ids of a request that gives none: the model's generation_config eos, then its config's, then the
+    tokenizer's (every backend uses this one rule)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
 def check_request(request: Request, max_model_len: int, vocab_size: int | None = None, has_tokenizer: bool = True) -> None:
     """Raise ValueError naming what is wrong with one request; every backend refuses it alone."""
     request.params.validate()

@@ -50,11 +50,10 @@ def test_final_loads_as_a_sequence_classifier_and_scores_like_the_reward(trained
     texts = ["Sure green river stone", "No", "Sure music"]
     scorer = RewardModelScorer(str(out / "final"), device="cpu")
     got = scorer([prompt] * 3, texts)
-    # transformers on a right-padded batch: the score is read at each row's last non-pad token
-    from posttrain.data.preference import render_sequences
-
-    p_ids, conts = render_sequences(tiny_tok, prompt, texts)
-    seqs = [p_ids + c.input_ids for c in conts]
+    # transformers on the chat template's text, a right-padded batch: the score is read at each row's last
+    # non-pad token (the newline after <|im_end|>); tests/test_rm_scoring.py checks more cases
+    seqs = [tiny_tok(tiny_tok.apply_chat_template(prompt + [{"role": "assistant", "content": t}], tokenize=False),
+                     add_special_tokens=False)["input_ids"] for t in texts]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [tiny_tok.pad_token_id] * (width - len(s)) for s in seqs])
     mask = (ids != tiny_tok.pad_token_id).long()

@@ -21,7 +21,9 @@ string prompt with conversational completions, a non-numeric margin, a non-boole
 Tokenized, a pair is one prompt and two continuations (`TokenizedPair`): the prompt tokens are shared
 by construction (the chat template renders the prompt once with its generation header), each
 continuation keeps its own loss mask (the assistant tokens, and the end-of-turn token that closes
-them) and ends at its last trained token.
+them) and ends at its last trained token. Reward models (`scored=True`) instead keep each sequence whole, as
+`AutoModelForSequenceClassification` reads the chat template's rendering (`scored_ids`): the score is taken at
+its last non-pad token, after the template's closing text.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from posttrain.data import formats
 from posttrain.data.formats import Row
-from posttrain.data.templates import TemplateError, Tokenized, check_template, render_prompt_completion
+from posttrain.data.templates import TemplateError, Tokenized, check_template, render_prompt, render_prompt_completion
 from posttrain.errors import UserError
 
 PAIRED = ("preference", "implicit_preference")
@@ -241,7 +243,45 @@ def render_sequences(tok, prompt: Text, completions: list[Text]) -> tuple[list[i
     return full[0].input_ids[:n], conts
 
 
-def tokenize(tok, examples: list[Pair] | list[Unpaired]) -> list[TokenizedPair]:
+def scored_ids(tok, prompt: Text, completion: Text) -> list[int]:
+    """The tokens a sequence classifier reads for prompt + completion, built as TRL's RewardTrainer builds them
+    and as a user of `AutoModelForSequenceClassification` does: a conversation is the chat template's rendering
+    of the whole conversation (`apply_chat_template(prompt + reply, tokenize=True)`, no generation prompt: in
+    ChatML it ends with `<|im_end|>` and a newline); plain text is prompt + completion with the EOS text
+    appended when missing, tokenized with the tokenizer's special tokens. The score is then read at the last
+    non-pad token of these ids (transformers' rule), e.g. that closing newline."""
+    completion = _as_completion(prompt, completion)
+    if isinstance(prompt, str) and isinstance(completion, str):
+        text = prompt + completion
+        if tok.eos_token and not text.endswith(tok.eos_token):
+            text += tok.eos_token
+        return list(tok(text)["input_ids"])
+    if isinstance(prompt, str) or isinstance(completion, str):
+        raise TemplateError("prompt and completion must both be strings or both be conversations")
+    return list(tok.apply_chat_template(list(prompt) + list(completion), tokenize=True, return_dict=False))
+
+
+def render_scored(tok, prompt: Text, completions: list[Text]) -> tuple[list[int], list[Tokenized]]:
+    """Reward-model sequences (`scored_ids`) split into shared prompt ids and one continuation each.
+
+    The prompt is the common token prefix of the sequences and of the rendered prompt (with its generation
+    header), kept at least one token short of the shortest sequence; the continuations run to the end of the
+    rendering, template suffix included, so prompt + continuation are exactly the ids transformers scores."""
+    seqs = [scored_ids(tok, prompt, c) for c in completions]
+    head = render_prompt(tok, prompt)
+    limit = min(min(map(len, seqs)) - 1, len(head))
+    n = 0
+    while n < limit and all(s[n] == head[n] for s in seqs):
+        n += 1
+    if n == 0:
+        raise TemplateError("the completions share no prompt tokens (nothing to score them after)")
+    return seqs[0][:n], [Tokenized(s[n:], [1] * (len(s) - n)) for s in seqs]
+
+
+def tokenize(tok, examples: list[Pair] | list[Unpaired], scored: bool = False) -> list[TokenizedPair]:
+    """`scored` (reward models): each sequence as a sequence classifier reads it (`render_scored`); otherwise
+    (DPO, KTO) cut after the last trained token with the completion's loss mask (`render_sequences`)."""
+    render = render_scored if scored else render_sequences
     out = []
     for ex in examples:
         if isinstance(ex, Pair):
@@ -249,7 +289,7 @@ def tokenize(tok, examples: list[Pair] | list[Unpaired]) -> list[TokenizedPair]:
         else:
             completions, margin, label = [ex.completion], None, ex.label
         try:
-            prompt_ids, conts = render_sequences(tok, ex.prompt, completions)
+            prompt_ids, conts = render(tok, ex.prompt, completions)
         except TemplateError as e:
             raise ex.row.error("chosen" if isinstance(ex, Pair) else "completion", str(e)) from None
         out.append(TokenizedPair(prompt_ids, conts, ex.row, margin, label))
@@ -283,11 +323,12 @@ def split(examples: list, eval_fraction: float, seed: int) -> tuple[list, list]:
 
 def load_split(tok, data: str, eval_data: str = "", eval_fraction: float = 0.0, seed: int = 0,
                max_length: int = 1024, too_long: str = "error", unpaired_ok: bool = False,
-               unpair_train: bool = False) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
+               unpair_train: bool = False, scored: bool = False) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
     """Validated, tokenized (train, eval) examples; everything is checked before any model loads.
 
     `unpair_train` (KTO): training pairs become unpaired examples; held-out pairs stay pairs, so the
-    preference accuracy is measured the same way for every loss."""
+    preference accuracy is measured the same way for every loss. `scored` (reward models): sequences as a
+    sequence classifier reads them (`render_scored`)."""
     examples = load_preference(data, unpaired_ok)
     check_template(tok, [e.row for e in examples])
     if eval_data:
@@ -296,6 +337,6 @@ def load_split(tok, data: str, eval_data: str = "", eval_fraction: float = 0.0, 
         train, held = split(examples, eval_fraction, seed)
     if unpair_train and train and isinstance(train[0], Pair):
         train = unpair(train)
-    train_tok = check_lengths(tokenize(tok, train), max_length, too_long)
-    held_tok = check_lengths(tokenize(tok, held), max_length, too_long) if held else []
+    train_tok = check_lengths(tokenize(tok, train, scored), max_length, too_long)
+    held_tok = check_lengths(tokenize(tok, held, scored), max_length, too_long) if held else []
     return train_tok, held_tok

@@ -8,7 +8,9 @@ The model is `AutoModelForSequenceClassification` with `num_labels=1` and the to
 config (LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...), so a saved run's
 `final/` loads with `AutoModelForSequenceClassification.from_pretrained` and scores like this module:
 the reward is the head applied to the final hidden state of the sequence's *last non-pad token*
-(transformers' rule; when pad = eos, as in SmolLM2, that is the token before a closing end-of-turn).
+(transformers' rule). The sequences are the chat template's whole rendering (data/preference.py
+scored_ids, as TRL's RewardTrainer tokenizes), so in ChatML that token is the newline after the closing
+`<|im_end|>`, the token `AutoModelForSequenceClassification` scores on `apply_chat_template(...)`.
 """
 
 from __future__ import annotations

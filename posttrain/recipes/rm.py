@@ -4,7 +4,9 @@
 Per optimizer step (the phase names are the timer names):
     1. data      `batch_size` pairs
     2. forward_backward   one packed forward per micro-batch: each prompt once, chosen and rejected
-                 after it (shared-prefix attention); r = head(h at each sequence's last non-pad token);
+                 after it (shared-prefix attention); each sequence is the chat template's whole rendering
+                 (as TRL's RewardTrainer tokenizes it: data/preference.py scored_ids), and
+                 r = head(h at its last non-pad token), the token transformers' sequence classifier reads;
                  L = −log σ(r_w − r_l − m) + c (r_w + r_l)²  (algos.reward_model.bradley_terry_loss:
                  m the row's `margin` column when present, c = center_coef), Σ L / (pairs in the step)
     3. update    clip, AdamW, schedule
@@ -164,7 +166,8 @@ def setup(cfg: RMConfig) -> RMRun:
     life = RunLifecycle(cfg)
     seed_everything(cfg.seed)
     tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
-    train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long)
+    train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
+                              scored=True)
     measured = Measured()
     model = load_reward_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device, pad_token_id=tok.pad_token_id)
     model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing, task_type="SEQ_CLS")

@@ -6,9 +6,12 @@ reward: `rm:runs/rm/final:1.0,format:0.2`; options `reward_args={"rm:runs/rm/fin
 
 The folder is checked when the reward is named (before any model loads); the model loads on the first
 call, on `device` ('auto': the GPU when one is visible, as the recipes' default device). Samples are
-rendered as the RM was trained (the prompt through the chat template, a plain-string completion as one
-assistant turn) and scored in packed batches: consecutive samples of the same prompt (a GRPO group)
-share one prompt forward, at most `batch_tokens` tokens per forward, no gradients.
+rendered as the RM was trained, by `posttrain rm` or by TRL's RewardTrainer: prompt + completion (a
+plain-string completion after a conversational prompt is one assistant turn) through the chat template
+whole, and the score read at the last token that is not the config's pad token, exactly where
+`AutoModelForSequenceClassification` reads it on `apply_chat_template(...)` (data/preference.py scored_ids).
+They are scored in packed batches: consecutive samples of the same prompt (a GRPO group) share one prompt
+forward, at most `batch_tokens` tokens per forward, no gradients.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.data.preference import render_sequences
+from posttrain.data.preference import render_scored
 from posttrain.data.prefix_batch import micro_batches
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device
@@ -57,7 +60,7 @@ class RewardModelScorer:
                 runs.append([i])
         groups = []
         for idx in runs:
-            prompt_ids, conts = render_sequences(self.tok, prompts[idx[0]], [completions[i] for i in idx])
+            prompt_ids, conts = render_scored(self.tok, prompts[idx[0]], [completions[i] for i in idx])
             groups.append((prompt_ids, conts))
         return groups, runs
 
@@ -69,8 +72,10 @@ class RewardModelScorer:
             self.load()
         groups, runs = self.groups(list(prompts), list(completions))
         device = next(self.model.parameters()).device
+        pad = self.model.config.pad_token_id  # transformers finds the scored token with the config's pad id
+        pad = self.tok.pad_token_id if pad is None else pad
         out: list[float] = [0.0] * len(completions)
-        for batch, idx in micro_batches(groups, self.tok.pad_token_id, self.batch_tokens, 64, device):
+        for batch, idx in micro_batches(groups, pad, self.batch_tokens, 64, device):
             rewards = sequence_rewards(self.model, batch, self.mixed_precision).tolist()
             samples = [i for j in idx for i in runs[j]]
             for i, r in zip(samples, rewards, strict=True):

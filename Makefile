@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test lint test-dist test-slow bench clean-venv
+.PHONY: quickstart test lint test-dist test-slow bench clean-venv bwrap
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -16,11 +16,19 @@ $(STAMP): pyproject.toml
 	-$(BIN)/python -c "from posttrain.ops import cpu_kernels; print('fused CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable (eager ops)')"
 	touch $(STAMP)
 
+# bubblewrap: the code sandbox's filesystem isolation (docs/rewards.md). A system package, installed with apt-get when
+# we are root (as scripts/screenshot_report.sh does for Chromium); otherwise a note, and the sandbox falls back.
+bwrap:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; } && \
+	    echo "installed bubblewrap (bwrap) for the code sandbox"; } || \
+	    echo "note: bubblewrap (bwrap) is not installed: the code sandbox runs without filesystem isolation and its tests skip (apt-get install bubblewrap)"
+
 quickstart: $(STAMP)
 	$(BIN)/posttrain models fetch smollm2-135m-instruct
 	$(BIN)/posttrain quickstart
 
-test: $(STAMP)
+test: $(STAMP) bwrap
 	$(BIN)/python -m pytest
 
 # ruff with pyproject's rules: pyflakes, pycodestyle, bugbear, import order, unused noqa, complexity
@@ -28,11 +36,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check posttrain tests benchmarks scripts
 
 # distributed tests: FSDP2 with 2 gloo processes, a local Ray cluster (installs the [ray] extra)
-test-dist: $(STAMP)
+test-dist: $(STAMP) bwrap
 	$(BIN)/pip install -q -e '.[ray]'
 	$(BIN)/python -m pytest -m dist
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) bwrap
 	$(BIN)/python -m pytest -m slow
 
 bench: $(STAMP)

@@ -6,7 +6,8 @@ Runs with no project imports (the sandbox interpreter may be a different Python)
    never exist on the sandbox's filesystem;
 2. compile the tests *before* any untrusted code runs (AST pass: `assert a == b` -> strict equality,
    so an object whose `__eq__` always returns True cannot pass);
-3. isolate: network namespace (unshare CLONE_NEWNET as root; CLONE_NEWUSER|CLONE_NEWNET otherwise),
+3. isolate: network namespace (unshare CLONE_NEWNET as root; CLONE_NEWUSER|CLONE_NEWNET otherwise; already
+   done when bubblewrap started us, which also hides the host's files: rewards/bwrap.py),
    PR_SET_NO_NEW_PRIVS, drop to the sandbox uid (root only), rlimits (CPU, AS, FSIZE, NOFILE, NPROC, CORE);
 4. install an audit hook (PEP 578) that refuses process creation, sockets, ctypes, frame and gc
    introspection, signals to other processes, and writes outside the work dir;
@@ -112,7 +113,9 @@ def _isolate(job, libc):
 
     iso = {"net": "none", "uid": os.getuid(), "nproc": "rlimit"}
     CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-    if job.get("netns", True):
+    if job.get("netns_done"):  # bubblewrap started us in a fresh network namespace (bwrap.py)
+        iso["net"] = "netns"
+    elif job.get("netns", True):
         flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
         if libc.unshare(flags) == 0:
             iso["net"] = "netns"
@@ -127,7 +130,7 @@ def _isolate(job, libc):
     mb = 1024 * 1024
     nproc = lim["nproc"]
     if os.getuid() != 0 and uid is None:  # shared uid: the cap is on top of what the user already runs
-        nproc += _count_procs(os.getuid())
+        nproc += job["nproc_base"] if "nproc_base" in job else _count_procs(os.getuid())
     for res, val in (
         (resource.RLIMIT_CPU, lim["cpu_s"]),
         (resource.RLIMIT_AS, lim["memory_mb"] * mb),

@@ -55,14 +55,17 @@ def run_sample(code: str, tests, stdio, limits: dict, sandbox_opts: dict, backen
 
 def make_code_reward(partial: bool = False, wall_s: float = 10.0, cpu_s: int = 10, memory_mb: int = 1024,
                      nproc: int = 32, workers: int | None = None, backend: str = "local", url: str | None = None,
-                     netns: bool = True, switch_uid: bool = True, audit_hook: bool = True, site_packages: bool = False):
-    """Build a code reward; see the module docstring for columns and scoring."""
+                     netns: bool = True, switch_uid: bool = True, audit_hook: bool = True, site_packages: bool = False,
+                     filesystem: str = "auto"):
+    """Build a code reward; see the module docstring for columns and scoring. `filesystem`: "auto" (bubblewrap
+    when it runs here, else a notice), "bwrap" (required), "none" (sandbox.Sandbox)."""
     if backend not in ("local", "remote"):
         raise ValueError("backend must be 'local' or 'remote'")
     if backend == "remote" and not url:
         raise ValueError("backend='remote' needs url=http://host:port")
     limits = {"wall_s": wall_s, "cpu_s": cpu_s, "memory_mb": memory_mb, "nproc": nproc}
-    sb_opts = {"netns": netns, "switch_uid": switch_uid, "audit_hook": audit_hook, "site_packages": site_packages}
+    sb_opts = {"netns": netns, "switch_uid": switch_uid, "audit_hook": audit_hook, "site_packages": site_packages,
+               "filesystem": filesystem}
 
     def code_reward(prompts, completions, tests=None, stdio=None, **_):
         n = len(completions)
@@ -104,6 +107,7 @@ def make_code_reward(partial: bool = False, wall_s: float = 10.0, cpu_s: int = 1
                 counts["passed_all"] += full
                 scores[i] = r["passed"] / total if partial else float(full)
                 counts["network"] = r.get("isolation", {}).get("net", "?")
+                counts["filesystem"] = r.get("isolation", {}).get("fs", "?").split(" ")[0]  # bwrap | host
         code_reward.last_metrics = counts
         if errors:
             raise RewardError("code", errors, scores, samples=completions)

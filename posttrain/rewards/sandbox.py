@@ -20,7 +20,11 @@ Threat model and what each layer stops (see docs/rewards.md):
 - network -> a fresh network namespace (no interfaces but a down loopback) where the kernel allows
   it, otherwise the audit hook refuses every socket event; the result says which;
 - host damage -> temp work dir, minimal environment (no secrets from the parent), other uid,
-  kill of the process group and (as root) of every process of the sandbox uid.
+  kill of the process group and (as root) of every process of the sandbox uid;
+- reading the host's files (home, the project, /etc, other users' data, /proc/<pid> of other processes)
+  -> bubblewrap (`bwrap.py`) when installed and permitted: the program sees its work dir, a read-only
+  Python and system libraries, a fresh /proc (own pid namespace) and /dev, nothing else; otherwise one
+  notice on stderr and the other layers only (`filesystem="auto"`; "bwrap" requires it, "none" skips it).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from posttrain.rewards import bwrap
 
 HARNESS = str(Path(__file__).with_name("_harness.py"))
 IS_ROOT = os.geteuid() == 0
@@ -196,12 +202,21 @@ def _rmtree(path: str) -> None:
     shutil.rmtree(path, onerror=onerror)
 
 
+class SandboxUnavailable(RuntimeError):
+    """`filesystem="bwrap"` was asked for and bubblewrap cannot run here (the message says why)."""
+
+
 class Sandbox:
-    """Runs untrusted Python. `run_tests` for assert-style tests, `run_program` for stdin/stdout."""
+    """Runs untrusted Python. `run_tests` for assert-style tests, `run_program` for stdin/stdout.
+
+    `filesystem`: "auto" (bubblewrap when it runs here, else the other layers and one notice), "bwrap"
+    (required: SandboxUnavailable otherwise), "none" (the host filesystem, as without bubblewrap)."""
 
     def __init__(self, limits: Limits | None = None, *, netns: bool = True, switch_uid: bool = True,
                  audit_hook: bool = True, allow_spawn: bool = False, site_packages: bool = False,
-                 python: str | None = None):
+                 python: str | None = None, filesystem: str = "auto"):
+        if filesystem not in ("auto", "bwrap", "none"):
+            raise ValueError("filesystem must be 'auto', 'bwrap' or 'none'")
         self.limits = limits or Limits()
         self.netns, self.audit_hook, self.allow_spawn = netns, audit_hook, allow_spawn
         self.site_packages = site_packages
@@ -212,6 +227,13 @@ class Sandbox:
         self.python = chosen
         if self.switch_uid:
             _become_subreaper()
+        self.layout, self.fs_reason = None, "filesystem='none'"
+        if filesystem != "none":
+            self.layout, self.fs_reason = bwrap.isolation_for(chosen, site_packages, net=netns, keep_setuid=self.switch_uid)
+            if self.layout is None and filesystem == "bwrap":
+                raise SandboxUnavailable(f"filesystem='bwrap': {self.fs_reason}; {bwrap.INSTALL_HINT}")
+            if self.layout is None:
+                bwrap.notice_once(self.fs_reason)
 
     # ------------------------------------------------------------------ public API
     def run_tests(self, code: str, tests: list[str] | str) -> RunResult:
@@ -237,7 +259,9 @@ class Sandbox:
             os.chmod(root, 0o711)  # traversable, not listable
             os.chown(work, uid, uid)
         job = dict(job, token=token, test_tokens=test_tokens, workdir=work, uid=uid, netns=self.netns, audit=self.audit_hook,
-                   allow_spawn=self.allow_spawn, limits=asdict(lim))
+                   allow_spawn=self.allow_spawn, limits=asdict(lim), netns_done=self.layout is not None and self.netns)
+        if uid is None and not IS_ROOT:  # counted here: inside bwrap's pid namespace the user's other processes are invisible
+            job["nproc_base"] = len(_procs_of_uid(os.getuid()))
         files = [tempfile.TemporaryFile(dir=root) for _ in range(5)]  # unlinked: no path to find them by
         f_in, f_stdin, f_out, f_err, f_res = files
         f_in.write(json.dumps(job).encode())
@@ -245,7 +269,13 @@ class Sandbox:
         f_stdin.write(stdin)
         f_stdin.seek(0)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work}
-        argv = [self.python, "-I", "-B"] + ([] if self.site_packages else ["-S"]) + [HARNESS, str(f_in.fileno()), str(f_res.fileno())]
+        flags = ["-I", "-B"] + ([] if self.site_packages else ["-S"])
+        fds = [str(f_in.fileno()), str(f_res.fileno())]
+        if self.layout is not None:
+            argv = bwrap.command(self.layout, HARNESS, work, net=self.netns, keep_setuid=uid is not None)
+            argv += [self.layout.exe, *flags, bwrap.HARNESS_PATH, *fds]
+        else:
+            argv = [self.python, *flags, HARNESS, *fds]
         t0 = time.monotonic()
         status, rc = "ok", None
         try:
@@ -279,6 +309,9 @@ class Sandbox:
             f.close()
         _rmtree(root)
         self._parse(result, lines, token, test_tokens)
+        if result.isolation:  # what the OS layers outside the harness achieved
+            result.isolation["fs"] = "bwrap" if self.layout is not None else f"host ({self.fs_reason})"
+            result.isolation["pid"] = "pidns" if self.layout is not None else "host"
         return result
 
     @staticmethod

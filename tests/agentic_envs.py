@@ -72,3 +72,34 @@ class ScriptedBackend:
                 samples.append(Completion(j, list(ids), [-0.5] * len(ids), reason, None))
             outs.append(RequestOutput(i, list(r.prompt_token_ids), samples))
         return outs
+
+
+class Echo:
+    """The protocol and nothing more: reset/step/reward, no base class, no `tools`, no `bind` (a user's first env)."""
+
+    def reset(self, row, seed):
+        return [{"role": "user", "content": row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]}]
+
+    def step(self, action):
+        return None, True, {}
+
+    def reward(self, episode):
+        return float(len(episode.final_text) % 2)
+
+
+class StringEcho(Echo):
+    """reset returns a string: the first user message."""
+
+    def reset(self, row, seed):
+        return "Say something."
+
+
+class DictReset(Echo):
+    """reset returns one message instead of a list of them."""
+
+    def reset(self, row, seed):
+        return {"role": "user", "content": "hi"}
+
+
+class ToolsByName(Echo):
+    tools = ["calculator"]

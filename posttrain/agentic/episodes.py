@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from posttrain.agentic.env import bind_env, start_messages, tools_of
 from posttrain.agentic.envs import load_env
 from posttrain.agentic.formats import make_format
 from posttrain.agentic.rollout import Episode, RolloutStats
@@ -25,14 +26,13 @@ def setup_agent(cfg, tok, rows) -> AgentRun:
     """Environment factory and tool format, checked before any model loads (a reset per row).
     `cfg` has env, env_args and agent (tool_format, tool_tags)."""
     make_env = load_env(cfg.env, cfg.env_args)
-    proto = make_env()
-    fmt = make_format(tok, list(proto.tools), cfg.agent.tool_format, tuple(cfg.agent.tool_tags))
+    fmt = make_format(tok, tools_of(make_env()), cfg.agent.tool_format, tuple(cfg.agent.tool_tags))
     lengths = []
     for row in rows[:256]:
         env = make_env()
-        env.bind(fmt)
+        bind_env(env, fmt)
         try:
-            lengths.append(len(fmt.prompt_ids(env.reset(row.data, 0))))
+            lengths.append(len(fmt.prompt_ids(start_messages(env, row.data, 0))))
         except (KeyError, ValueError, TypeError) as e:
             raise row.error(None, f"env {cfg.env} cannot start an episode from this row: {type(e).__name__}: {e}") from None
     return AgentRun(make_env, fmt, round(sum(lengths) / len(lengths)))

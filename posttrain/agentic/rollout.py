@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from posttrain.agentic.env import bind_env, start_messages
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.rollout.types import Request
 
@@ -99,9 +100,8 @@ def new_episodes(make_env, rows: list[dict], group_size: int, fmt, seed: int, fi
         group = []
         for j in range(group_size):
             env = make_env()
-            env.bind(fmt)
-            messages = env.reset(row, gseed)
-            ids = fmt.prompt_ids(messages)
+            bind_env(env, fmt)
+            ids = fmt.prompt_ids(start_messages(env, row, gseed))
             if group and ids != group[0].prompt_ids:
                 raise ValueError(f"env reset is not deterministic: row {i} gave two prompts for one (row, seed)")
             group.append(Episode(env, row, first_group + i, j, gseed, ids))

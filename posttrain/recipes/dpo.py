@@ -54,6 +54,7 @@ from posttrain.systems import dist as ranks  # `dist` is torch.distributed in Me
 from posttrain.systems import fsdp
 from posttrain.training import run as training_run
 from posttrain.training.data_order import EpochSampler
+from posttrain.training.epochs import resolve_max_steps
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.loop import CheckpointArgs, run_loop
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
@@ -76,7 +77,9 @@ class DPOConfig(CommonConfig):
     loss: str = Field("dpo", description=f"preference loss: {', '.join(preference_losses.names())}")
     beta: float | None = Field(None, gt=0, description="β of the loss (None: the loss's default; orpo's weight is loss_args.lam)")
     loss_args: dict = Field(default_factory=dict, description="other keyword arguments of the loss, e.g. {label_smoothing: 0.1}, {gamma: 0.5}")
-    max_steps: int = Field(100, ge=0, description="optimizer steps")
+    max_steps: int = Field(100, ge=0, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, description="passes over the training pairs (kto: examples): sets max_steps = "
+                                                         "ceil(epochs x pairs / batch_size); give one of the two")
     dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
     batch_size: int = Field(8, ge=1, description="pairs per optimizer step (kto: examples)")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole pairs; each prompt counted once)")
@@ -380,6 +383,9 @@ def setup(cfg: DPOConfig) -> DPORun:
     unpaired = not preference_losses.meta(cfg.loss).get("paired", True)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
                               unpaired_ok=unpaired, unpair_train=unpaired)
+    note = resolve_max_steps(cfg, len(train), cfg.batch_size, "examples" if unpaired else "pairs", life)
+    if note and info.main:
+        print(note, flush=True)
     measured = Measured()
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
     model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing)

@@ -39,6 +39,7 @@ from posttrain.monitor.metrics import PhaseTimer
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes import rm_probe
 from posttrain.training.data_order import EpochSampler
+from posttrain.training.epochs import resolve_max_steps
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.loop import CheckpointArgs, run_loop
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
@@ -51,7 +52,9 @@ class RMConfig(CommonConfig):
 
     data: str = Field("", description="preference data {prompt, chosen, rejected} (or implicit prompt), optional `margin` column")
     output_dir: str = Field("runs/rm", description="run directory")
-    max_steps: int = Field(100, ge=0, description="optimizer steps")
+    max_steps: int | None = Field(None, ge=0, description="optimizer steps (default: `epochs` over the training pairs)")
+    epochs: float | None = Field(1.0, gt=0, description="passes over the training pairs: max_steps = ceil(epochs x pairs / "
+                                                        "batch_size) unless max_steps is given (one epoch: the usual RM recipe)")
     dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
     batch_size: int = Field(16, ge=1, description="pairs per optimizer step")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole pairs; each prompt counted once)")
@@ -168,6 +171,9 @@ def setup(cfg: RMConfig) -> RMRun:
     tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
                               scored=True)
+    note = resolve_max_steps(cfg, len(train), cfg.batch_size, "pairs", life)
+    if note:
+        print(note, flush=True)
     measured = Measured()
     model = load_reward_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device, pad_token_id=tok.pad_token_id)
     model = memory_savers(model, cfg.lora, cfg.gradient_checkpointing, task_type="SEQ_CLS")

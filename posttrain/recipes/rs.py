@@ -56,7 +56,8 @@ from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.run import progress
 
 # keys of the SFT section that rs sets itself, each round
-SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device", "backend", "chat_template", "chat_template_args")
+SET_BY_RS = ("model", "data", "output_dir", "resume", "seed", "device", "backend", "chat_template", "chat_template_args",
+             "epochs")  # epochs: rs's own (top level) sets train.max_steps from each round's kept rows
 
 
 class RSTrainSettings(SFTConfig):
@@ -234,7 +235,7 @@ def sft_config(cfg: RSConfig, model: str, data: Path, out: Path, n_rows: int) ->
     """The SFT section with the round's model, data and directory; max_steps from `epochs` unless given."""
     update = {"model": model, "data": str(data), "output_dir": str(out), "resume": cfg.resume, "seed": cfg.seed,
               "device": cfg.device, "backend": cfg.backend, "chat_template": cfg.chat_template,
-              "chat_template_args": cfg.chat_template_args}
+              "chat_template_args": cfg.chat_template_args, "epochs": None}
     if "max_steps" not in cfg.train.model_fields_set:
         update["max_steps"] = max(1, math.ceil(cfg.epochs * n_rows / cfg.train.batch_size))
     return cfg.train.model_copy(update=update)

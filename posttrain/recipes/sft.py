@@ -39,6 +39,7 @@ from posttrain.rollout.engine import EngineConfig
 from posttrain.systems import dist, fsdp
 from posttrain.training import run as training_run
 from posttrain.training.data_order import EpochSampler
+from posttrain.training.epochs import resolve_max_steps
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.loop import CheckpointArgs, run_loop
 from posttrain.training.optim import OptimSettings, build_optimizer, optimizer_step
@@ -54,7 +55,9 @@ class SFTConfig(CommonConfig):
 
     data: str = Field("arithmetic", description="dataset (messages | prompt+completion | text), file, folder or task")
     output_dir: str = Field("runs/sft", description="run directory")
-    max_steps: int = Field(50, ge=0, description="optimizer steps")
+    max_steps: int = Field(50, ge=0, description="optimizer steps (or give epochs)")
+    epochs: float | None = Field(None, gt=0, description="passes over the training rows (packed rows when packing): sets "
+                                                         "max_steps = ceil(epochs x rows / batch_size); give one of the two")
     dtype: str = Field("float32", description="training dtype: float32 | bfloat16")
     max_length: int = Field(1024, ge=8, description="maximum tokens per sample, and per packed row")
     too_long: str = Field("error", pattern="^(error|drop)$", description="a sample over max_length: error (refuse) | drop")
@@ -242,6 +245,7 @@ class SFTRun:
     sample_convs: list[list[dict]]
     eval_hook: EvalHook
     units: list[list[Tokenized]]
+    no_eval: str  # why there is no eval loss ("" when there is one)
     model: torch.nn.Module  # the trained model (under torchrun: its FSDP root)
     optimizer: object
     scheduler: object
@@ -269,6 +273,12 @@ def setup(cfg: SFTConfig) -> SFTRun:
     train_samples, eval_samples, sample_convs = load_data(tok, cfg)  # refuses bad data before any model work
     eval_hook = EvalHook(cfg.eval_tasks, tok, eval_every=cfg.eval_every)  # held-out problems: checked now too
     units = make_units(train_samples, cfg)
+    steps_note = resolve_max_steps(cfg, len(units), cfg.batch_size, "packed rows" if cfg.packing else "samples", life)
+    no_eval = no_eval_reason(cfg, len(train_samples)) if not eval_samples else ""
+    if life.main:  # (eval_fraction=0 without eval_data is a choice, rs's for one: nothing to say)
+        for line in (steps_note, no_eval and (cfg.eval_data or cfg.eval_fraction) and f"eval: none will run, {no_eval}"):
+            if line:
+                print(line, flush=True)
 
     measured = Measured()  # RSS baseline before the model exists
     model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed, device=device)
@@ -277,7 +287,7 @@ def setup(cfg: SFTConfig) -> SFTRun:
     trainable, total = trainable_fraction(model)
     inner, model = model, (fsdp.shard_model(model) if info.world > 1 else model)  # inner: the HF model
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
-    run = SFTRun(cfg, life, tok, train_samples, eval_samples, sample_convs, eval_hook, units, model, optimizer,
+    run = SFTRun(cfg, life, tok, train_samples, eval_samples, sample_convs, eval_hook, units, no_eval, model, optimizer,
                  scheduler, EpochSampler(len(units), cfg.seed), device, info, trainable, total, measured=measured)
 
     state = life.restore(model, optimizer, scheduler)
@@ -317,7 +327,7 @@ def sft_step(run: SFTRun, step: int) -> dict:
         **timer.pop(),
     }
     done = step + 1
-    if done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+    if run.evals and (done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
         row["eval/loss"] = mean_nll(run.model, run.evals, pad_id, cfg, run.info)
     if run.eval_hook.due(done, last=done == cfg.max_steps):
         row.update(task_eval(run.eval_hook, run.model, run.tok, cfg, done))
@@ -360,7 +370,8 @@ def finish(run: SFTRun) -> dict:
         "eval_samples": len(run.evals),
         "first_loss": rows[0]["loss"] if rows else math.nan,
         "last_loss": rows[-1]["loss"] if rows else math.nan,
-        "final_eval_loss": rows[-1].get("eval/loss", math.nan) if rows else math.nan,
+        "final_eval_loss": rows[-1].get("eval/loss") if rows and run.evals else None,
+        "eval": run.no_eval or f"eval loss on {len(run.evals)} held-out samples",
         "padding_fraction": sum(r["padding_tokens"] for r in rows) / max(1, sum(r["tokens"] + r["padding_tokens"] for r in rows)),
         "wall_seconds_this_session": time.perf_counter() - run.t_run,
         "tokens_this_session": run.tokens_seen,
@@ -370,6 +381,16 @@ def finish(run: SFTRun) -> dict:
     life.finish(summary, f"SFT — {cfg.model}", {"summary": summary, "plan vs measured": plan_comparison(plan)})
     summary["plan_vs_measured"] = plan_comparison(plan)
     return summary
+
+
+def no_eval_reason(cfg: SFTConfig, train_samples: int) -> str:
+    """Why a run has no eval rows, and what gives it some."""
+    if cfg.eval_data:
+        return f"eval_data={cfg.eval_data} gave no samples within max_length={cfg.max_length}"
+    if cfg.eval_fraction == 0:
+        return "eval_fraction=0 (set eval_data=FILE or eval_fraction>0 for an eval loss)"
+    return (f"the data is too small: eval_fraction={cfg.eval_fraction:g} of {train_samples} rows rounds down to none "
+            f"(set eval_data=FILE, or an eval_fraction of at least {1 / max(train_samples, 1):.2g})")
 
 
 def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: EpochSampler, steps: int) -> dict:
@@ -404,5 +425,7 @@ def main(argv: list[str]) -> None:
     if not summary:  # ranks > 0 of a torchrun run
         return
     keys = ("first_loss", "last_loss", "final_eval_loss", "probe_loss_delta", "padding_fraction")
-    print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if summary.get(k) is not None))
+    print("  ".join(f"{k}={summary[k]:.4f}" for k in keys if isinstance(summary.get(k), (int, float))))
+    if summary["eval_samples"] == 0:
+        print(f"no eval was run: {summary['eval']}")
     print(f"run directory: {cfg.output_dir} (report.html, metrics.jsonl, final/)")

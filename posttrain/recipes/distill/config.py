@@ -137,5 +137,6 @@ class DistillConfig(CommonConfig):
 
 def sft_settings(cfg: DistillConfig, **update) -> SFTConfig:
     """The SFT recipe's config for the student (logit mode's data, sequence mode's training): every field the
-    two configs share (training/settings.py), no held-out split, probe or samples, then `update`."""
-    return derive(cfg, SFTConfig, eval_fraction=0.0, forgetting_probe=False, sample_every=0, **update)
+    two configs share (training/settings.py), no held-out split, probe or samples, then `update`. `epochs` is
+    rejection sampling's (sequence mode: over the kept rows), not the SFT recipe's: left out."""
+    return derive(cfg, SFTConfig, exclude=("epochs",), eval_fraction=0.0, forgetting_probe=False, sample_every=0, **update)

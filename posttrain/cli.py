@@ -1,4 +1,4 @@
-"""`posttrain <command> [--config FILE] key=value ...` — thin: parse, build config, call a recipe.
+"""`posttrain <command> [--config FILE] key=value | --key value ...` — thin: parse, build config, call a recipe.
 
 Each command lives in its own module as `main(argv: list[str]) -> None`; this file only routes, so
 adding a command is one line in COMMANDS and never touches another command's code.
@@ -36,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def usage() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items())
-    return f"usage: posttrain <command> [--config FILE.yaml] [key=value ...]\n\ncommands:\n{rows}\n\n`posttrain <command> --help` lists every key with its default."
+    return (f"usage: posttrain <command> [--config FILE.yaml] [key=value | --key value ...]\n\ncommands:\n{rows}\n\n"
+            "`posttrain <command> --help` lists every key with its default.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Configuration: pydantic models, YAML files and `key=value` overrides.
+"""Configuration: pydantic models, YAML files and `key=value` overrides (or `--key value`, `--key=value`, `--flag`).
 
 Every recipe's config is a flat-ish pydantic model (nested models allowed, addressed with dotted
 keys; on the command line the last component alone works when it names exactly one nested key,
@@ -177,16 +177,99 @@ def describe(cls: type[BaseModel], prefix: str = "") -> str:
     return "\n".join(lines)
 
 
-# TRL's names for our keys: suggested when a TRL user types theirs (only where the key exists here)
-TRL_NAMES = {"learning_rate": "optim.lr", "num_generations": "group_size", "max_completion_length": "sampling.max_new_tokens",
-             "per_device_train_batch_size": "micro_batch_size", "num_iterations": "ppo_epochs", "epsilon": "loss_args",
-             "max_grad_norm": "optim.max_grad_norm", "weight_decay": "optim.weight_decay", "bf16": "mixed_precision"}
+# Other trainers' names (TRL, transformers TrainingArguments, PEFT) -> posttrain's key. Each entry: the keys it may be
+# here, in order (the first this command has is suggested, with what differs), and what to say when it has none.
+# An unknown key found here is answered "posttrain calls this X" instead of the nearest spelling
+# (`gradient_accumulation_steps` is not `gradient_checkpointing`).
+FOREIGN_NAMES: dict[str, tuple[tuple[tuple[str, str], ...], str]] = {
+    "learning_rate": ((("optim.lr", ""),), ""),
+    "gradient_accumulation_steps": ((("batch_size", "rows per optimizer step; accumulation = batch_size / micro_batch_size"),
+                                     ("prompts_per_step", "prompts per optimizer step; micro_batch_tokens splits the forward passes")),
+                                    "this command has no accumulation setting"),
+    "per_device_train_batch_size": ((("micro_batch_size", "rows per forward/backward"),
+                                     ("micro_batch_tokens", "tokens per forward/backward, not rows"),
+                                     ("prompts_per_step", "prompts per step; group_size samples each")), ""),
+    "train_batch_size": ((("batch_size", ""), ("prompts_per_step", "")), ""),
+    "num_train_epochs": ((("epochs", ""), ("max_steps", "this command counts optimizer steps, not epochs")), ""),
+    "warmup_ratio": ((("optim.warmup_ratio", ""),), ""),
+    "warmup_steps": ((("optim.warmup_steps", ""),), ""),
+    "lr_scheduler_type": ((("optim.schedule", "cosine | linear | constant"),), ""),
+    "max_seq_length": ((("max_length", "tokens per sample"), ("sampling.max_new_tokens", "tokens per completion")), ""),
+    "max_prompt_length": ((("max_length", "prompt + completion together"),), ""),
+    "max_completion_length": ((("sampling.max_new_tokens", ""), ("max_length", "prompt + completion together")), ""),
+    "beta": ((("beta", ""),), "this command has no beta (a KL / preference strength: posttrain dpo and rl have one)"),
+    "kl_coef": ((("beta", "the KL coefficient"),), ""),
+    "init_kl_coef": ((("beta", "the KL coefficient"),), ""),
+    "logging_steps": ((), "posttrain logs every step (metrics.jsonl and the report_to sinks): there is no key"),
+    "logging_strategy": ((), "posttrain logs every step (metrics.jsonl and the report_to sinks): there is no key"),
+    "logging_dir": ((("output_dir", "metrics.jsonl and report.html are written there"),), ""),
+    "save_steps": ((("save_every", ""),), ""),
+    "save_strategy": ((("save_every", "every N steps; 0: only the final model"),), ""),
+    "save_total_limit": ((("keep_checkpoints", ""),), ""),
+    "eval_steps": ((("eval_every", ""), ("eval.every", "")), ""),
+    "eval_strategy": ((("eval_every", "every N steps"), ("eval.every", "every N steps")), ""),
+    "evaluation_strategy": ((("eval_every", "every N steps"), ("eval.every", "every N steps")), ""),
+    "output_dir": ((("output_dir", ""), ("output", "")), ""),
+    "run_name": ((("output_dir", "the run directory names the run"),), ""),
+    "model_name_or_path": ((("model", ""),), ""),
+    "dataset_name": ((("data", ""),), ""),
+    "dataset_text_field": ((), "rows are read by their columns (messages | prompt + completion | text, docs/data.md): there is no key"),
+    "num_generations": ((("group_size", ""), ("n", "samples per prompt")), ""),
+    "num_iterations": ((("ppo_epochs", ""),), ""),
+    "num_ppo_epochs": ((("ppo_epochs", ""),), ""),
+    "num_mini_batches": ((("ppo_minibatches", ""),), ""),
+    "epsilon": ((("loss_args", "the clip range goes in loss_args"),), ""),
+    "cliprange": ((("loss_args", "the clip range goes in loss_args"),), ""),
+    "max_grad_norm": ((("optim.max_grad_norm", ""),), ""),
+    "weight_decay": ((("optim.weight_decay", ""),), ""),
+    "adam_beta1": ((("optim.betas", "both at once: optim.betas=[0.9,0.999]"),), ""),
+    "adam_beta2": ((("optim.betas", "both at once: optim.betas=[0.9,0.999]"),), ""),
+    "adam_epsilon": ((("optim.eps", ""),), ""),
+    "bf16": ((("mixed_precision", "mixed_precision=bf16"),), ""),
+    "fp16": ((("mixed_precision", "bf16 only: mixed_precision=bf16"),), ""),
+    "torch_dtype": ((("dtype", ""),), ""),
+    "use_peft": ((("lora.enabled", ""),), ""),
+    "lora_r": ((("lora.r", ""),), ""),
+    "lora_alpha": ((("lora.alpha", ""),), ""),
+    "lora_dropout": ((("lora.dropout", ""),), ""),
+    "lora_target_modules": ((("lora.target_modules", ""),), ""),
+    "resume_from_checkpoint": ((("resume", "resume=true continues from the newest checkpoint in output_dir"),), ""),
+    "data_seed": ((("seed", ""),), ""),
+    "loss_type": ((("loss", ""),), ""),
+    "center_rewards_coefficient": ((("center_coef", ""),), ""),
+    "use_vllm": ((("backend", "backend=vllm"),), ""),
+    "assistant_only_loss": ((), "posttrain sft always trains on the assistant / completion tokens only: there is no key"),
+    "completion_only_loss": ((), "posttrain sft always trains on the assistant / completion tokens only: there is no key"),
+}
+
+
+def _key_here(target: str, keys: list[str]) -> str | None:
+    """The full key `target` names in this config (itself, a section, or the tail of exactly one key: `optim.lr` is
+    `train.optim.lr` in rs), else None."""
+    if target in keys or any(k.startswith(target + ".") for k in keys):
+        return target
+    tails = [k for k in keys if k.endswith("." + target)]
+    return tails[0] if len(tails) == 1 else None
+
+
+def _foreign_hint(key: str, keys: list[str]) -> str | None:
+    """'; posttrain calls this 'X' (...)' for another trainer's name (FOREIGN_NAMES), else None."""
+    name = key if key in FOREIGN_NAMES else key.rsplit(".", 1)[-1]
+    if name not in FOREIGN_NAMES:
+        return None
+    candidates, otherwise = FOREIGN_NAMES[name]
+    for target, note in candidates:
+        here = _key_here(target, keys)
+        if here is not None and here != key:
+            detail = f"{note}; " if note else ""
+            return f"; posttrain calls this '{here}' ({detail}{name} is the TRL/transformers name)"
+    return f"; {otherwise}" if otherwise else None
 
 
 def _suggest(key: str, keys: list[str]) -> str:
-    trl = TRL_NAMES.get(key)
-    if trl is not None and (trl in keys or any(k.startswith(trl + ".") for k in keys)):
-        return f"; did you mean '{trl}'? (TRL calls it {key})"
+    foreign = _foreign_hint(key, keys)
+    if foreign is not None:
+        return foreign
     tail = key.rsplit(".", 1)[-1]
     exact = [k for k in keys if k.rsplit(".", 1)[-1] == tail]  # `lr` given for `optim.lr`
     close = exact or difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
@@ -280,29 +363,95 @@ def split_flags(argv: list[str], flags: tuple[str, ...]) -> tuple[list[str], set
     return [a for a in argv if a not in flags], {a for a in argv if a in flags}
 
 
+BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def _is_bool(cls: type[BaseModel], key: str) -> bool:
+    """Whether the dotted `key` of `cls` is a bool (or an optional bool) field."""
+    model: Any = cls
+    parts = key.split(".")
+    for part in parts[:-1]:
+        field = model.model_fields.get(part) if model is not None else None
+        model = _nested_model(field.annotation) if field is not None else None
+    field = model.model_fields.get(parts[-1]) if model is not None else None
+    return field is not None and (field.annotation is bool or bool in get_args(field.annotation))
+
+
+def _dashed(arg: str, nxt: str | None, cls: type[BaseModel], keys: list[str]) -> tuple[str, bool]:
+    """`--key=value`, `--key value`, `--flag` / `--no-flag` (bool keys) -> ("key=value", whether `nxt` was used).
+    Hyphens in the name read as underscores (`--max-steps`); an unknown key is refused with its hint here."""
+    name, eq, value = arg[2:].partition("=")
+    name = name.replace("-", "_")
+    if not eq and name.startswith("no_") and _key_here(name, keys) is None:
+        key = _key_here(name[3:], keys)
+        if key is not None and _is_bool(cls, key):
+            return f"{key}=false", False
+    key = _resolve_key(name, keys)
+    if eq:
+        return f"{name}={value}", False
+    if _is_bool(cls, key):
+        if nxt is not None and nxt.lower() in BOOL_WORDS:
+            return f"{name}={nxt}", True
+        return f"{name}=true", False
+    if nxt is None or nxt.startswith("--"):
+        raise ConfigError(f"--{name} needs a value: --{name} VALUE, --{name}=VALUE or {name}=VALUE")
+    return f"{name}={nxt}", True
+
+
+def split_args(cls: type[BaseModel], argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv in the forms every trainer takes -> (`key=value`, `--config FILE` and `-h`/`--help` items in order,
+    the positional words left over). Accepted: `key=value`, `--key value`, `--key=value`, `--flag` (a bool key:
+    true; `--flag false` and `--no-flag` too), `--config FILE` / `--config=FILE`."""
+    keys = all_keys(cls)
+    out, positional = [], []
+    i = 0
+    while i < len(argv):
+        arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
+        if arg in ("-h", "--help") or arg.startswith("--config="):
+            out.append(arg)
+        elif arg == "--config":
+            if nxt is None:
+                raise ConfigError("--config needs a file name")
+            out.append(f"--config={nxt}")
+            i += 1
+        elif arg.startswith("--") and len(arg) > 2:
+            item, used = _dashed(arg, nxt, cls, keys)
+            out.append(item)
+            i += used
+        elif "=" in arg and not arg.startswith("-"):
+            out.append(arg)
+        else:
+            positional.append(arg)
+    return out, positional
+
+
+USAGE_FORMS = "[--config FILE.yaml] [key=value | --key value | --key=value | --flag ...]"
+
+
 def parse_args(cls: type[BaseModel], argv: list[str], prog: str = "posttrain") -> Any:
-    """`[--config FILE] key=value ...` -> validated config. `--help` prints every key and exits."""
+    """`[--config FILE] key=value | --key value ...` -> validated config. `--help` prints every key and exits."""
     data: dict = {}
     overrides: list[tuple[str, Any]] = []
-    it = iter(argv)
-    for arg in it:
+    if "-h" in argv or "--help" in argv:
+        argv = ["--help"]  # before any key is checked
+    items, positional = split_args(cls, argv)
+    if positional:
+        raise ConfigError(f"unexpected argument '{positional[0]}': use key=value, --key value, --config FILE or --help")
+    for arg in items:
         if arg in ("-h", "--help"):
-            print(f"usage: {prog} [--config FILE.yaml] [key=value ...]\n")
+            print(f"usage: {prog} {USAGE_FORMS}\n")
             print((cls.__doc__ or "").strip() + "\n\nkeys:")
             print(describe(cls))
             raise SystemExit(0)
-        if arg == "--config" or arg.startswith("--config="):
-            path = arg.split("=", 1)[1] if "=" in arg else next(it, None)
-            if path is None:
-                raise ConfigError("--config needs a file name")
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
             loaded = load_yaml(path)
             _check_keys(cls, loaded, str(path))
             data = _deep_merge(data, loaded)
-        elif "=" in arg and not arg.startswith("-"):
+        else:  # key=value (split_args wrote every other form this way)
             key, value = arg.split("=", 1)
             overrides.append((key.strip(), _parse_value(value)))
-        else:
-            raise ConfigError(f"unexpected argument '{arg}': use key=value, --config FILE or --help")
     keys = all_keys(cls)
     for key, value in overrides:
         _set_dotted(data, _resolve_key(key, keys), value)

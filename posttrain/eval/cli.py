@@ -107,7 +107,7 @@ def print_summary(doc: dict, out_dir: str) -> None:
 def main(argv: list[str]) -> int | None:
     if argv and argv[0] == "compare":
         return compare_main(argv[1:])
-    if any(a.startswith("env=") for a in argv):  # multi-turn episodes with tools (posttrain/eval/agentic.py)
+    if any(a.startswith(("env=", "--env=")) or a == "--env" for a in argv):  # multi-turn episodes with tools (eval/agentic.py)
         return agent_main(argv)
     if argv and argv[0] == "contamination":
         return contamination_main(argv[1:])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from posttrain.config import Config, parse_args
+from posttrain.config import Config, parse_args, split_args
 from posttrain.errors import UserError
 from posttrain.eval import protocol as P
 from posttrain.eval import stats
@@ -126,10 +126,9 @@ def print_comparison(r: dict) -> None:
 
 
 def main(argv: list[str]) -> int:
-    paths = [a for a in argv if "=" not in a and not a.startswith("-")]
-    rest = [a for a in argv if a not in paths]
-    if "-h" in rest or "--help" in rest:
+    if "-h" in argv or "--help" in argv:
         parse_args(CompareConfig, ["--help"], prog="posttrain eval compare A/results.json B/results.json")
+    rest, paths = split_args(CompareConfig, argv)  # `--metric pass@4` is a key and its value, not a path
     if len(paths) != 2:
         raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] [metric=pass@1]")
     cfg = parse_args(CompareConfig, rest, prog="posttrain eval compare A/results.json B/results.json")

@@ -14,7 +14,9 @@ The sandboxed interpreter is started as `bwrap <below> -- PYTHON -I -B [-S] /san
 
 and nothing else of the host: no /etc (no passwd, hosts, ...), /home, /root, /work, /tmp, /var, /opt, /srv,
 /mnt, no other process's /proc/<pid>. Namespaces: pid, network (no interfaces but a down loopback),
-ipc, uts, cgroup where available, a user namespace when not root. Capabilities: none, except that as root
+ipc, uts, cgroup where available, a user namespace when not root. `--as-pid-1`: the interpreter is the namespace's
+pid 1, so every process it started dies with it, and bwrap keeps no init process that would outlive the outer bwrap
+(a zombie of the trainer, the sandbox's subreaper, after every run). Capabilities: none, except that as root
 CAP_SETUID/CAP_SETGID stay for the harness to drop to the throw-away uid (it does so before untrusted code
 runs, which clears them). --die-with-parent: killing bwrap (the wall timeout) kills the namespace.
 
@@ -113,7 +115,7 @@ def _parents(paths) -> list[str]:
 def command(layout: Layout, harness: str, workdir: str, *, net: bool, keep_setuid: bool) -> list[str]:
     """The bwrap argv up to and including `--`; the interpreter's argv follows."""
     root = os.geteuid() == 0
-    args = [layout.bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+    args = [layout.bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try"]
     if net:
         args.append("--unshare-net")

@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch is pinned to the CPU wheel (2.13.0); install it first so nothing pulls a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,math,serve]'
+	# eval: lm-eval[api] for tests/test_lm_eval.py (lm-eval against posttrain serve; ~400 MB, ~40 s)
+	$(BIN)/pip install -q -e '.[dev,math,serve,eval]'
 	# build the engine's fused CPU kernels now (~30 s, cached); without a compiler the engine uses eager ops
 	-$(BIN)/python -c "from posttrain.ops import cpu_kernels; print('fused CPU kernels:', 'built' if cpu_kernels.load() else 'unavailable (eager ops)')"
 	touch $(STAMP)

@@ -45,8 +45,12 @@ def test_cli_serves_chat_and_text_completions(tmp_path):
         assert r["object"] == "text_completion" and [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
         bad = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_p": 0}, timeout=60)
         assert bad.status_code == 400 and "top_p" in bad.json()["error"]["message"]
-        assert httpx.post(url + "/completions", json={"prompt": "x", "stream": True}).status_code == 400
-        assert httpx.post(url + "/completions", json={"prompt": "x", "logprobs": 1}).status_code == 400  # not silently ignored
+        streamed = httpx.post(url + "/completions", json={"prompt": "x", "stream": True, "max_tokens": 3}, timeout=60)
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        lp = httpx.post(url + "/completions", json={"prompt": "x", "logprobs": 1, "max_tokens": 3}, timeout=60).json()
+        assert len(lp["choices"][0]["logprobs"]["token_logprobs"]) == 3
+        refused = httpx.post(url + "/completions", json={"prompt": "x", "presence_penalty": 1.0})  # not silently ignored
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "presence_penalty"
         wrong = httpx.post(url + "/completions", json={"prompt": "x", "model": "gpt-9"})
         assert wrong.status_code == 404 and "tiny-random" in wrong.json()["error"]["message"]
     finally:

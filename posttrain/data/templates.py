@@ -86,11 +86,12 @@ def render_messages(tok, messages: list[dict], train_turns: set[int] | None = No
     return from_segments(tok, conversation_segments(tok, messages, train_turns, **kw))
 
 
-def render_prompt(tok, prompt) -> list[int]:
-    """Token ids a policy continues from: the chat template with the generation prompt, or plain text."""
+def render_prompt(tok, prompt, add_generation_prompt: bool = True, **kw) -> list[int]:
+    """Token ids a policy continues from: the chat template with the generation prompt, or plain text.
+    `kw` go to the template (`tools=[...]`, `continue_final_message=True`, template variables)."""
     if isinstance(prompt, str):
         return tok(prompt)["input_ids"]
-    return _encode(tok, _render(tok, prompt, add_generation_prompt=True))
+    return _encode(tok, _render(tok, prompt, add_generation_prompt=add_generation_prompt, **kw))
 
 
 def render_prompt_completion(tok, prompt, completion) -> Tokenized:

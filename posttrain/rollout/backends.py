@@ -140,6 +140,20 @@ class StepAdapter:
     def has_work(self) -> bool:
         return bool(self.waiting)
 
+    @property
+    def max_model_len(self) -> int | None:
+        return getattr(self.backend, "max_model_len", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.backend, "vocab_size", None)
+
+    def snapshot(self, state) -> list:
+        """The engine's streaming view (Engine.snapshot): nothing until the one blocking call returns."""
+        if state.remaining == 0 and state.output is not None:
+            return list(state.output.samples)
+        return [None] * state.request.params.n
+
     def step(self) -> None:
         todo, self.waiting = self.waiting, []
         for st, out in zip(todo, self.backend.generate([s.request for s in todo])):

@@ -30,7 +30,8 @@ from posttrain.ops.sampling import counter_uniforms, sample_logits
 from posttrain.rollout.kv import BlockManager
 from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
-from posttrain.rollout.sequence import Group, Sequence
+from posttrain.rollout.scoring import logits_logprobs, prompt_logprobs
+from posttrain.rollout.sequence import Group, Sequence, Status
 from posttrain.rollout.types import Completion, Request, RequestOutput, check_request, default_stop_ids
 
 
@@ -118,6 +119,12 @@ class Engine:
         self.out_kept = torch.zeros(S, self.max_model_len, dtype=torch.int32, device=dev)  # kept-set sizes
         self._slot_seq: dict[int, Sequence] = {}
         self._rows = None  # cached LongTensor of running slots
+        self._reporting = 0  # requests in flight that asked for their tokens' model log-probs (SamplingParams.logprobs)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt may hold: [0, vocab_size) (the embedding rows)."""
+        return self.runner.embed.weight.shape[0]
 
     # ------------------------------------------------------------ weights
     def _version(self):
@@ -173,6 +180,15 @@ class Engine:
             out.error = f"request {out.request_id}: {e}"
             state.remaining = 0
             return state
+        if p.prompt_logprobs is not None:  # one forward of the whole prompt through the model's own layers
+            out.prompt_logprobs = prompt_logprobs(self.model, request.prompt_token_ids, p.prompt_logprobs)
+        if p.max_new_tokens == 0:  # scoring only: n empty samples, nothing scheduled
+            out.samples = [Completion(j, [], [], "length", "" if self.tokenizer is not None else None,
+                                      model_logprobs=None if p.logprobs is None else []) for j in range(p.n)]
+            out.time_first_token = out.time_finished = time.perf_counter() - self._t0
+            state.remaining = 0
+            return state
+        self._reporting += p.logprobs is not None
         W = self.scheduler.width
         chunk, ids = self.config.max_num_seqs // W * W, request.prompt_token_ids
         for j0 in range(0, p.n, chunk):
@@ -212,6 +228,23 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def snapshot(self, state: _RequestState) -> list[Completion | None]:
+        """What each sample of a request submitted with `add_request` / `submit` has generated so far, for a
+        caller that streams: finished samples give their Completion, running ones a Completion with the
+        tokens so far (finish_reason None; model_logprobs when asked), waiting ones None. A sample's tokens
+        only grow (a preempted sample resumes where it was). Reads each running sample's tokens from the
+        device: for a few streamed requests per step, not for every sequence."""
+        out: list[Completion | None] = [state.completions.get(j) for j in range(state.request.params.n)]
+        if state.remaining == 0:
+            return list(state.output.samples) if state.output.samples else out
+        want = state.request.params.logprobs is not None
+        for s in self.scheduler.running:
+            if s.request is state and out[s.sample_index] is None and s.status is Status.RUNNING:
+                n = int(self.ngen[s.slot])
+                out[s.sample_index] = Completion(s.sample_index, self.out_tok[s.slot, :n].tolist(), [], None,
+                                                 model_logprobs=list(s.model_logprobs) if want else None)
+        return out
 
     def _group_width(self, requests: list[Request]) -> int:
         """Sequences per group slot for this batch of requests: n when all requests sample the same
@@ -297,6 +330,8 @@ class Engine:
         self.ntok[rows] += 1
         self.last[rows] = tok
         self.stats.generated_tokens += rows.numel()
+        if self._reporting:  # requests that asked for their tokens' model log-probs (Python work for those rows only)
+            self._record_model_logprobs(seqs, logits, tok)
         done = (self.stop_ids[rows] == tok.unsqueeze(1)).any(1) | (g + 1 >= self.max_new[rows])
         # stop strings need the text: those rows (only) are checked in Python every step
         hits = (done | self.has_stop_str[rows]).nonzero().squeeze(1).tolist()
@@ -304,6 +339,18 @@ class Engine:
         for seq, stop, reason in finished:
             if stop is not None or reason == "length":
                 self._finish(seq, reason, stop)
+
+    def _record_model_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tok: torch.Tensor) -> None:
+        """Append to each reporting sequence its new token's log-prob under the model (log_softmax of the raw
+        logits: temperature 1, no top-k / top-p) and the top-k alternatives it asked for."""
+        picked = [(i, s.request.request.params.logprobs) for i, s in enumerate(seqs) if s.request.request.params.logprobs is not None]
+        if not picked:
+            return
+        idx = torch.tensor([i for i, _ in picked], device=logits.device)
+        top = max(k for _, k in picked)
+        for (i, k), lp in zip(picked, logits_logprobs(logits[idx], tok[idx], top)):
+            lp.top = lp.top[:k]
+            seqs[i].model_logprobs.append(lp)
 
     # ------------------------------------------------------------ sequence transitions
     def _join(self, s: Sequence) -> None:
@@ -366,9 +413,11 @@ class Engine:
         completion = s.token_ids[s.prompt_len:]
         text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer is not None else None
         kept = s.kept_counts if st.request.params.truncates(self.runner.embed.weight.shape[0]) else None
-        st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop, kept)
+        mlp = None if st.request.params.logprobs is None else s.model_logprobs[:len(completion)]
+        st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop, kept, mlp)
         st.remaining -= 1
         if st.remaining == 0:
+            self._reporting -= st.request.params.logprobs is not None
             st.output.samples = [st.completions[j] for j in range(st.request.params.n)]
             st.output.time_finished = time.perf_counter() - self._t0
 
@@ -376,6 +425,8 @@ class Engine:
         st: _RequestState = g.parent.request
         st.output.error = f"request {st.output.request_id}: {message}"
         st.output.samples = []
+        if st.remaining:
+            self._reporting -= st.request.params.logprobs is not None
         st.remaining = 0
         # drop the request's other queued groups
         self.scheduler.waiting = type(self.scheduler.waiting)(x for x in self.scheduler.waiting if x.parent.request is not st)

@@ -5,7 +5,8 @@ Behaviour log-probs come from `output_scores`, which are the logits after HF's o
 top-k / top-p warpers, i.e. the distribution HF sampled from. HF's top-p breaks ties by sort order
 where posttrain.ops.sampling keeps whole tied groups; everything else is the same definition.
 Kept counts (`Completion.kept_counts`, truncated requests only) are the number of finite processed
-scores per step: the size of the set HF actually sampled from.
+scores per step: the size of the set HF actually sampled from. Reported model log-probs
+(`SamplingParams.logprobs`) come from `output_logits` (the raw logits, before the warpers).
 One `generate` call per request (num_return_sequences = n) under `torch.manual_seed(seed)`, so a
 request's samples do not depend on the other requests (they do depend on HF's RNG use, so they differ
 from the built-in engine's draws).
@@ -18,6 +19,7 @@ import time
 
 import torch
 
+from posttrain.rollout.scoring import logits_logprobs, prompt_logprobs
 from posttrain.rollout.types import Completion, Request, RequestOutput, check_request, default_stop_ids
 
 # Logits processors a model's generation_config.json may switch on (repetition penalty, min-p, ...) set to their
@@ -38,6 +40,7 @@ class HFBackend:
         limit = getattr(model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or limit, limit)
         self.default_eos = default_stop_ids(model, tokenizer)
+        self.vocab_size = model.get_input_embeddings().weight.shape[0]
         self.generated_tokens, self.seconds = 0, 0.0
 
     def sync_weights(self) -> None:
@@ -60,7 +63,9 @@ class HFBackend:
                 out = RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
                 seed = r.params.seed if r.params.seed is not None else self.rng.getrandbits(63)
                 try:
-                    check_request(r, self.max_model_len, has_tokenizer=self.tokenizer is not None)
+                    check_request(r, self.max_model_len, self.vocab_size, has_tokenizer=self.tokenizer is not None)
+                    if r.params.prompt_logprobs is not None:
+                        out.prompt_logprobs = prompt_logprobs(self.model, r.prompt_token_ids, r.params.prompt_logprobs)
                     out.samples = self._one(r, seed)
                 except ValueError as e:
                     out.error = f"request {out.request_id}: {e}"
@@ -83,10 +88,13 @@ class HFBackend:
     @torch.inference_mode()
     def _one(self, r: Request, seed: int) -> list[Completion]:
         p = r.params
+        if p.max_new_tokens == 0:  # scoring only
+            empty = "" if self.tokenizer is not None else None
+            return [Completion(j, [], [], "length", empty, model_logprobs=None if p.logprobs is None else []) for j in range(p.n)]
         stop_ids = [] if p.ignore_eos else (self.default_eos if p.stop_token_ids is None else list(p.stop_token_ids))
         max_new = min(p.max_new_tokens, self.max_model_len - len(r.prompt_token_ids))
         kw = dict(max_new_tokens=max_new, num_return_sequences=p.n, output_scores=True, return_dict_in_generate=True,
-                  pad_token_id=self._pad_id(), **NEUTRAL)
+                  output_logits=p.logprobs is not None, pad_token_id=self._pad_id(), **NEUTRAL)
         if p.temperature == 0:
             kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
         else:
@@ -131,5 +139,9 @@ class HFBackend:
                         break
             text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else None
             kc = None if kept is None else kept[j, :len(toks)].tolist()
-            samples.append(Completion(j, toks, lps, reason, text, stop, kc))
+            mlp = None
+            if p.logprobs is not None:  # the raw logits (before HF's warpers): the model's own distribution
+                raw = torch.stack([step[j] for step in res.logits[:len(toks)]]) if toks else torch.zeros(0, 1)
+                mlp = logits_logprobs(raw, torch.tensor(toks, dtype=torch.long), p.logprobs) if toks else []
+            samples.append(Completion(j, toks, lps, reason, text, stop, kc, mlp))
         return samples

@@ -34,6 +34,7 @@ class Sequence:
     epoch: int = 0  # bumped when preempted, invalidates pending block timers
     logprobs: list[float] = field(default_factory=list)  # behaviour log-probs of the completion (synced like token_ids)
     kept_counts: list[int] = field(default_factory=list)  # size of each token's kept set, 0 = untruncated (synced too)
+    model_logprobs: list = field(default_factory=list)  # TokenLogprob per completion token, when the request asks (appended each step)
 
     @property
     def num_generated(self) -> int:

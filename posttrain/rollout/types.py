@@ -5,6 +5,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # most alternatives per position a request may ask for (OpenAI's chat limit, vLLM's default)
+
+
+@dataclass
+class TokenLogprob:
+    """The model's log-prob of one token (temperature 1, untruncated) and the `top` most likely tokens at its
+    position as (token id, log-prob), most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
 
 @dataclass
 class SamplingParams:
@@ -14,6 +25,14 @@ class SamplingParams:
     ids; [] = none. A stop token is kept in the output (its log-prob is a policy action); text stops
     are checked on the decoded completion and the token that completes them is kept too.
     seed None = drawn from the engine's seed; sample j of a request uses stream (seed, j).
+    max_new_tokens 0 = no completion (the samples are empty): with prompt_logprobs, scoring a text.
+
+    Reporting (what an OpenAI-compatible server returns; sampling never depends on it):
+    logprobs k: each sampled token also gets its log-prob under the model (log_softmax of the raw
+    logits: temperature 1, before top-k / top-p; what OpenAI and vLLM report) and the k most likely
+    tokens at its position (`Completion.model_logprobs`; k = 0: the token's own only). prompt_logprobs
+    k: the same for every prompt token but the first (`RequestOutput.prompt_logprobs`), computed by
+    one forward of the whole prompt. None = not asked (no cost).
     """
 
     n: int = 1
@@ -25,6 +44,8 @@ class SamplingParams:
     stop_strings: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def truncates(self, vocab_size: int | None = None) -> bool:
         """Whether tokens are drawn from a truncated distribution (top-k and/or top-p, not greedy)."""
@@ -41,8 +62,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, 0 = off (got {self.top_k!r})")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0 (got {self.max_new_tokens!r})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (got {k!r})")
         if self.stop_token_ids is not None and not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers (got {self.stop_token_ids!r})")
         if not all(isinstance(s, str) and s for s in self.stop_strings):
@@ -78,6 +103,7 @@ class Completion:
     text: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     kept_counts: list[int] | None = None
+    model_logprobs: list[TokenLogprob] | None = None  # per token, when SamplingParams.logprobs asked for them
 
 
 @dataclass
@@ -92,6 +118,8 @@ class RequestOutput:
     time_first_token: float | None = None
     time_finished: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (not recomputed)
+    # per prompt token when SamplingParams.prompt_logprobs asked for them; the first is None (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def ok(self) -> bool:
@@ -117,7 +145,10 @@ def check_request(request: Request, max_model_len: int, vocab_size: int | None =
         raise ValueError("empty prompt")
     if vocab_size is not None and not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
+    if request.params.max_new_tokens == 0:  # scoring only: the whole context may be prompt
+        if len(ids) > max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len}")
+    elif len(ids) >= max_model_len:
         raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len} (prompt + at least 1 new token)")
     if request.params.stop_strings and not has_tokenizer:
         raise ValueError("stop_strings need a tokenizer")

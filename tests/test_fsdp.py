@@ -193,6 +193,12 @@ def test_recipe_under_torchrun(tmp_path, recipe):
     assert _losses(tmp_path / "killed") == _losses(tmp_path / "two")  # steps 1..6, each once
     assert all(torch.equal(two[k], again[k]) for k in two)
 
+    # each step is also a model folder gathered from the shards (checkpoints/step-N/model.safetensors)
+    from safetensors.torch import load_file
+
+    step6 = load_file(tmp_path / "two" / "checkpoints" / "step-6" / "model.safetensors")
+    assert sorted(step6) == sorted(two) and all(torch.equal(step6[k], two[k]) for k in two)
+    assert (tmp_path / "two" / "checkpoints" / "step-4" / "tokenizer_config.json").is_file()
     shutil.rmtree(tmp_path / "two" / "checkpoints" / "step-6")  # resume the step-4 DCP checkpoint at world size 1
     shutil.rmtree(tmp_path / "two" / "final")
     _posttrain(recipe, tmp_path / "two", data, sys.executable)

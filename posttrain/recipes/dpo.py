@@ -437,7 +437,7 @@ def checkpoint_state(run: DPORun) -> dict:
 
 
 def checkpoint_args(run: DPORun) -> CheckpointArgs:
-    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run))
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run), tok=run.tok)
 
 
 def finish(run: DPORun) -> dict:

@@ -200,7 +200,8 @@ def plan_run(cfg: RMConfig, model, train: list[TokenizedPair]) -> dict:
 
 
 def checkpoint_args(run: RMRun) -> CheckpointArgs:
-    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "initial_eval": run.initial_eval})
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "initial_eval": run.initial_eval},
+                          tok=run.tok)
 
 
 def finish(run: RMRun) -> dict:

@@ -337,7 +337,8 @@ def sft_step(run: SFTRun, step: int) -> dict:
 
 
 def checkpoint_args(run: SFTRun) -> CheckpointArgs:
-    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "summary": run.summary})
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(), "summary": run.summary},
+                          tok=run.tok)
 
 
 def train(cfg: SFTConfig) -> dict:

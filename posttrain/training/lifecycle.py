@@ -7,7 +7,7 @@ summary and report. A recipe reads:
     metrics = life.metrics()                          # metrics.jsonl (trimmed to the checkpoint on resume) + report_to sinks
     for step in range(life.start, cfg.max_steps):
         ...
-        life.checkpoint(step + 1, model, optimizer, scheduler, state_dict)   # honours save_every
+        life.checkpoint(step + 1, model, optimizer, scheduler, state_dict, tok=tok)   # honours save_every
     life.save_final(model, tok, lora=False)
     life.finish(summary, title, sections)             # summary.json + report.html; closes the sinks
 
@@ -91,12 +91,13 @@ class RunLifecycle:
         return path
 
     def checkpoint(self, done: int, model, optimizer, scheduler, state: dict, force: bool = False,
-                   extras: dict | None = None) -> None:
-        """Save at every `save_every` steps, and always when `force` (the end of the run)."""
+                   extras: dict | None = None, tok=None) -> None:
+        """Save at every `save_every` steps, and always when `force` (the end of the run). With the tokenizer
+        `tok`, checkpoints/step-N/ is also a model folder (`from_pretrained`; a PEFT adapter under LoRA)."""
         every = self.cfg.save_every
         if force or (every and done % every == 0 and done != self.cfg.max_steps):
             save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints,
-                            extras=extras, dist_info=self.info if self.sharded else None)
+                            extras=extras, dist_info=self.info if self.sharded else None, tok=tok)
 
     def save_final(self, model, tok, lora: bool = False) -> Path:
         """final/ loads with AutoModelForCausalLM.from_pretrained; LoRA runs also keep final/adapter/.

@@ -25,18 +25,21 @@ from posttrain.training.run import progress
 @dataclass
 class CheckpointArgs:
     """What a checkpoint holds besides the step: the trained model, its optimizer and schedule, the recipe's
-    state (data position, alarms, ...) and `extras`: name -> (module, optimizer), e.g. PPO's value model."""
+    state (data position, alarms, ...), `extras`: name -> (module, optimizer), e.g. PPO's value model, and the
+    tokenizer `tok` that makes checkpoints/step-N/ a loadable model folder."""
 
     model: Any
     optimizer: Any
     scheduler: Any
     state: dict
     extras: dict | None = None
+    tok: Any = None
 
 
 def save(life, done: int, args: CheckpointArgs, force: bool = False) -> None:
     """`life.checkpoint` with `args` (every `save_every` steps; always when `force`)."""
-    life.checkpoint(done, args.model, args.optimizer, args.scheduler, args.state, force=force, extras=args.extras)
+    life.checkpoint(done, args.model, args.optimizer, args.scheduler, args.state, force=force, extras=args.extras,
+                    tok=args.tok)
 
 
 def run_loop(life, cfg, step_fn: Callable[[int], dict], state_fn: Callable[[], CheckpointArgs], *, desc: str,

@@ -189,7 +189,7 @@ def logit_step(run: LogitRun, step: int) -> dict:
 def checkpoint_args(run: LogitRun) -> CheckpointArgs:
     return CheckpointArgs(run.model, run.optimizer, run.scheduler, {"sampler": run.sampler.state(),
                                                                     "read_tokens": run.cache.read_tokens,
-                                                                    "teacher_tokens": run.teacher_tokens})
+                                                                    "teacher_tokens": run.teacher_tokens}, tok=run.tok)
 
 
 def train(cfg: DistillConfig) -> dict:

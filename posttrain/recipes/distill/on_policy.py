@@ -189,7 +189,7 @@ def rl_term(run: OnPolicyRun, b, hd: torch.Tensor, head, norms: dict, rl_metrics
 def checkpoint_args(run: OnPolicyRun) -> CheckpointArgs:
     r = run.rl
     return CheckpointArgs(r.model, r.optimizer, r.scheduler,
-                          {**rl.checkpoint_state(r), "teacher_tokens": run.teacher_tokens_before + run.teacher_tokens})
+                          {**rl.checkpoint_state(r), "teacher_tokens": run.teacher_tokens_before + run.teacher_tokens}, tok=r.tok)
 
 
 def train(cfg: DistillConfig) -> dict:

@@ -37,7 +37,8 @@ def reward_postfix(row: dict) -> dict:
 
 
 def checkpoint_args(run: RLRun) -> CheckpointArgs:
-    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run), extras=run.checkpoint_extras())
+    return CheckpointArgs(run.model, run.optimizer, run.scheduler, checkpoint_state(run), extras=run.checkpoint_extras(),
+                          tok=run.tok)
 
 
 def checkpoint_state(run: RLRun) -> dict:

@@ -43,3 +43,13 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _done
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc malloc_trim): after a one-off burst of
+    allocations (a memory probe) that the run's own steps would not reuse in the same shapes."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

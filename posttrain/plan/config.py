@@ -48,6 +48,10 @@ class PlanConfig(Config):
                                          "at a time in backward: activations L·h + one layer per token; training 8 FLOPs/param/token")
     engine_bytes: float = Field(0, ge=0, description="memory the generation engine holds beside the models for the whole run "
                                 "(its KV cache allocated up front, packed weight copies): a recipe passes its engine's own count")
+    activation_fixed_bytes: Optional[float] = Field(None, ge=0, description="measured activations of a forward/backward that do "
+                                                    "not grow with its tokens (weight casts, head tiles): training.memprobe")
+    activation_bytes_per_token: Optional[float] = Field(None, gt=0, description="measured activation bytes per token of a forward/"
+                                                        "backward (replaces the closed form; a recipe measures its model: training.memprobe)")
     shared_prefix: bool = Field(False, description="the training forward computes each group's prompt once and its samples "
                                 "attend to it (posttrain's RL trainer): (G - 1)·prompt_len fewer activation tokens per group")
     dtype: str = Field("bf16", description="dtype of frozen weights, KV cache and activations (bf16, fp16, fp32, fp8, int8, int4)")

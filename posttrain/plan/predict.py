@@ -341,14 +341,18 @@ def _transients(cfg: PlanConfig, method: methods.Method, policy: ModelSpec, size
         activations = cost.activation_bytes(_trained_tokens(cfg, micro, tokens_per_seq), a.layers, a.hidden, a.intermediate,
                                             a.kv_heads * a.head_dim, a.vocab, act_bytes, cfg.logit_copies,
                                             checkpointing=cfg.gradient_checkpointing, layer_values=mean, layer_max=largest)
+    if cfg.activation_bytes_per_token is not None:  # measured on the model itself (training.memprobe)
+        activations = (cfg.activation_fixed_bytes or 0.0) + cfg.activation_bytes_per_token * _trained_tokens(cfg, micro, tokens_per_seq)
     trainable = _total(m["trainable"] for m in models)
     # The input embedding's backward builds a dense V×h gradient before adding it into .grad (full FT only).
-    emb_grad = a.vocab * a.hidden * act_bytes if a is not None and not lora else 0.0
+    # (Measured activations already hold it.)
+    emb_grad = a.vocab * a.hidden * act_bytes if a is not None and not lora and cfg.activation_bytes_per_token is None else 0.0
     # Peak: states + the largest transient: activations of a micro-batch (+ that embedding gradient),
     # the KV cache of the rollout, or AdamW's sqrt(v) buffer during the optimizer step.
     optimizer = cost.optimizer_temp_bytes(trainable) if trainable is not None else 0.0
     transient = max((activations or 0.0) + emb_grad, kv_step or 0.0, optimizer)
     return {"kv_bytes_per_token": kv_per_token, "kv_bytes_step": kv_step, "activation_bytes": activations,
+            "activation_source": "measured" if cfg.activation_bytes_per_token is not None else "formula",
             "micro_batch": micro, "transient": transient}
 
 

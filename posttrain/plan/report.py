@@ -83,7 +83,8 @@ def _memory_rows(p: dict) -> list[tuple[str, str]]:
     if p["kv_bytes_step"] is not None:
         rows.append(("KV for the step", f"{human_bytes(p['kv_bytes_step'])} (all {p['sequences_per_step']:,} sequences in flight)"))
     ckpt = "gradient checkpointing" if p.get("gradient_checkpointing") else "no checkpointing"
-    rows.append(("activations", f"{human_bytes(p['activation_bytes'])} (micro-batch of {p['micro_batch']:,} sequences, {ckpt})"))
+    source = ", measured on the model" if p.get("activation_source") == "measured" else ""
+    rows.append(("activations", f"{human_bytes(p['activation_bytes'])} (micro-batch of {p['micro_batch']:,} sequences, {ckpt}{source})"))
     rows.append(("peak estimate", human_bytes(p["peak_bytes_estimate"])))
     return rows
 

@@ -25,6 +25,7 @@ from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes.rl import agentic, async_rl, ray_cluster
+from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl import step as policy_gradient
 from posttrain.recipes.rl.config import RLConfig
 from posttrain.recipes.rl.online_dpo import online_dpo_step
@@ -34,10 +35,12 @@ from posttrain.recipes.rl.run import RLRun, Rollout
 from posttrain.recipes.rl.sharded import ShardedRollout
 from posttrain.rewards.build import build_reward
 from posttrain.rollout.backends import build_backend
+from posttrain.rollout.trajectory import Trajectory, make_batches
 from posttrain.systems import fsdp
 from posttrain.systems.dist import rank_device
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
+from posttrain.training.memprobe import activation_fit
 from posttrain.training.optim import build_optimizer
 from posttrain.training.plan import memory_saver_keys
 from posttrain.training.run import init_ranks, seed_everything
@@ -162,8 +165,32 @@ def plan_run(run: RLRun, model: torch.nn.Module) -> dict:
     extra = {"value_model": True} if method == "ppo" else {}
     inputs = run.rollout.plan_inputs(run)
     method = inputs.pop("method", method)
-    return predict(unwrap(model), method, **extra, **inputs, batch=cfg.prompts_per_step, group=cfg.group_size,
+    probe = activation_probe(run, model) if run.info.world == 1 else None
+    measured = {"activation_fixed_bytes": probe["fixed"], "activation_bytes_per_token": probe["per_token"]} if probe else {}
+    return predict(unwrap(model), method, **extra, **inputs, **measured, batch=cfg.prompts_per_step, group=cfg.group_size,
                    beta=cfg.resolved_beta, reward="verifier", **memory_saver_keys(cfg), shared_prefix=True,
                    engine_bytes=getattr(run.engine, "memory_bytes", lambda: 0)(),
                    micro_batch=cfg.prompts_per_step * cfg.group_size, dtype="fp32" if cfg.dtype in ("float32", "fp32") else "bf16",
                    steps=max(cfg.max_steps, 1), logit_copies=0, **run_hardware(model, cfg.dtype, cfg.mixed_precision))
+
+
+def activation_probe(run: RLRun, model: torch.nn.Module) -> dict | None:
+    """Activation bytes of the policy's update forward/backward, measured (training.memprobe): one group of
+    `group_size` synthetic samples, prompt and completions of equal length, through the trainer's own
+    log-prob path (shared-prefix layout, chunked head, entropy); tokens are fixed ids, no RNG is drawn."""
+    cfg, G = run.cfg, max(run.cfg.group_size, 1)
+    vocab = unwrap(model).config.get_text_config().vocab_size
+
+    def make_step(n: int):
+        length = max(n // (G + 1), 2)
+        ids = [(7 * j + 3) % vocab for j in range(length)]
+        trajs = [Trajectory(ids, ids, torch.zeros(length), group=0) for _ in range(G)]
+        batch = make_batches(trajs, run.tok.pad_token_id or 0, 1 << 30, device=run.device)[0]
+
+        def step():
+            logp, _ = ph.policy_logps(model, batch, cfg.sampling.temperature, cfg.mixed_precision, truncated=True,
+                                      with_entropy=True)
+            return (logp * batch.loss_mask).sum()
+        return int(batch.input_ids.numel()), step
+
+    return activation_fit(model, make_step)

@@ -88,6 +88,8 @@ def case(name: str, tmp_path: Path, teacher: str) -> tuple[list[str], list[str],
           "optim.lr=1e-3", "samples_per_log=2"]
     if name == "rl_grpo":  # β > 0 with an adaptive KL controller: the reference and β resume too
         return [*rl, "algo=grpo", "beta=0.05", "kl_target=0.01"], ["metrics.jsonl", "samples.jsonl"], final
+    if name == "rl_grpo_beta0":  # no reference: the KL-to-start probe set (step 1's samples) resumes
+        return [*rl, "algo=grpo", "beta=0", "kl_probe_every=1"], ["metrics.jsonl", "samples.jsonl"], final
     if name == "rl_ppo":  # the value model, its optimizer and schedule resume (checkpoints/step-N/value/)
         return ([*rl, "algo=ppo", "critic_lr=1e-3"], ["metrics.jsonl", "samples.jsonl"],
                 [*final, "final/value/model.safetensors"])
@@ -119,7 +121,7 @@ def rows(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "kto", "distill_logit", "distill_on_policy", "distill_sequence",
-                                  "rs", "rl_grpo", "rl_ppo", "rl_online_dpo"])
+                                  "rs", "rl_grpo", "rl_grpo_beta0", "rl_ppo", "rl_online_dpo"])
 def test_a_killed_run_resumes_to_the_uninterrupted_run(tmp_path, teacher_dir, name):
     argv, logs, weights = case(name, tmp_path, teacher_dir)
     straight, cut = tmp_path / "straight", tmp_path / "cut"

@@ -21,7 +21,9 @@ def test_algos_run_and_write_run_dir(tmp_path, algo):
     summary, out = run(tmp_path, f"algo={algo}", "max_steps=2")
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
-    for key in ["loss", "reward/mean", "kl", "entropy", "response_length/mean", "clip_frac/low", "grad_norm",
+    # KL: to the reference when there is one (β > 0), else to the start policy on the probe set (β = 0)
+    kl_key = "kl" if rows[0]["beta"] > 0 else "kl_start"
+    for key in ["loss", "reward/mean", kl_key, "entropy", "response_length/mean", "clip_frac/low", "grad_norm",
                 "consistency/dlogp_max", "groups/zero_adv_frac", "time/generate", "time/update"]:
         assert key in rows[0], key
     # train–inference consistency on every step: the engine samples from the weights the trainer just

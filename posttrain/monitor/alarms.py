@@ -7,7 +7,7 @@ and the step's samples, and raises an alarm when a curve leaves its healthy rang
     length_blowup     response_length/mean > f · running median
     length_collapse   response_length/mean < f · running median
     entropy_collapse  entropy < floor, or < fraction × the entropy of the first steps
-    kl_budget         KL per sequence > budget (nats)
+    kl_budget         KL per sequence > budget (nats): to the reference; at β = 0 to the start (kl_start/seq) > kl_start_budget
     clip_frac         clip_frac/low + clip_frac/high > max
     grad_norm_spike   grad_norm > f · running median
     nonfinite         any NaN / inf value in the row
@@ -59,6 +59,8 @@ class AlarmSettings(Config):
     entropy_floor: float | None = Field(0.02, ge=0, description="entropy (nats per token) below this, from the first step")
     entropy_drop: float | None = Field(0.05, gt=0, lt=1, description="entropy below this fraction of its initial value")
     kl_budget: float | None = Field(3.0, gt=0, description="KL to the reference in nats per sequence (kl × response_length/mean, or kl/seq)")
+    kl_start_budget: float | None = Field(None, gt=0, description="β = 0: KL to the start policy (kl_start/seq, nats per sequence) "
+                                          "above this; off by default: an honest run that sharpens its policy moves far from it")
     clip_frac_max: float | None = Field(0.3, gt=0, le=1, description="clip_frac/low + clip_frac/high above this")
     grad_norm_spike: float | None = Field(10.0, gt=1, description="grad_norm above this × its running median")
     dlogp_mean_max: float | None = Field(0.2, gt=0, description="consistency/dlogp_mean (nats) above this: trainer and sampler disagree")
@@ -180,13 +182,14 @@ def entropy_collapse(s: AlarmSettings, row: dict, bands: dict, initial: dict):
 def kl_budget(s: AlarmSettings, row: dict, bands: dict, initial: dict):
     """Per-sequence KL: `kl/seq` when the step logs it, else the token-mean `kl` × response_length/mean
     (exact when every sample carries loss: Σ KL / tokens × tokens / samples)."""
-    if s.kl_budget is None:
-        return None
-    v = row.get("kl/seq")
+    v, what = row.get("kl/seq"), "KL to the reference"
     if v is None and row.get("kl") is not None and row.get("response_length/mean") is not None:
         v = row["kl"] * row["response_length/mean"]
-    if v is not None and v > s.kl_budget:
-        return v, s.kl_budget, f"KL {v:.4g} nats per sequence > budget {s.kl_budget:g}: check a held-out eval"
+    budget = s.kl_budget
+    if v is None and row.get("kl_start/seq") is not None:  # β = 0: no reference, the probe's KL to the start
+        v, what, budget = row["kl_start/seq"], "KL to the start policy", s.kl_start_budget
+    if v is not None and budget is not None and v > budget:
+        return v, budget, f"{what} {v:.4g} nats per sequence > budget {budget:g}: check a held-out eval"
     return None
 
 

@@ -28,6 +28,7 @@ from posttrain.recipes.rl import agentic, async_rl, ray_cluster
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl import step as policy_gradient
 from posttrain.recipes.rl.config import RLConfig
+from posttrain.recipes.rl.drift import DriftProbe
 from posttrain.recipes.rl.online_dpo import online_dpo_step
 from posttrain.recipes.rl.ppo import Critic
 from posttrain.recipes.rl.rollout import SyncRollout
@@ -58,7 +59,7 @@ def setup(cfg: RLConfig) -> RLRun:
     seed_everything(cfg.seed)
     device = rank_device(resolve_device(cfg.device), info)
     tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
-    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
     check_template(tok, rows)
     agent = setup_agent(cfg, tok, rows) if cfg.env else None  # the environment's reward replaces `reward`
     reward_fn = None if agent is not None else reward_of(cfg, rows)
@@ -87,11 +88,15 @@ def setup(cfg: RLConfig) -> RLRun:
                 cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
                 device, info=info, critic=critic, measured=measured, eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
+    if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
+        run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
     if state:
         run.sampler.load(state["sampler"])
         kl_ctl.value = state.get("beta", kl_ctl.value)
         run.alarms.load(state.get("alarms", {}))
+        if run.drift is not None:
+            run.drift.load(state.get("drift", {}))
         if critic is not None:
             critic.load_state(state)
     run.rollout = make_rollout(run, agent, inner, policy_copy, state)

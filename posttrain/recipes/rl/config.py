@@ -94,6 +94,9 @@ class RLConfig(CommonConfig):
     ref_update_every: int = Field(0, ge=0, description="online_dpo: copy the policy into the reference every N steps (0 = frozen)")
     whiten_advantages: bool = Field(True, description="PPO: normalise GAE advantages over the step's tokens")
     bootstrap_truncated: bool = Field(False, description="PPO: a sample cut at max_new_tokens continues from V after its last token (time-limit view) instead of ending there")
+    kl_probe_every: int = Field(5, ge=0, description="β = 0: measure KL to the start policy on a fixed probe set every N steps "
+                                "(logged as kl_start, kl_start/seq; 0 = off); see recipes/rl/drift.py")
+    kl_probe_size: int = Field(16, ge=1, description="β = 0: samples of the first step kept as the KL-to-start probe set")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
     alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")

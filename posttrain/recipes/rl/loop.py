@@ -45,6 +45,8 @@ def checkpoint_state(run: RLRun) -> dict:
     """What a checkpoint keeps beside the weights: data position, β, alarm bands, the critic's schedule and
     the rollout source's own state (async RL: the rounds the trainer consumed)."""
     state = {"sampler": run.sampler.state(), "beta": run.kl_ctl.value, "alarms": run.alarms.state()}
+    if run.drift is not None:
+        state["drift"] = run.drift.state()
     if run.critic is not None:
         state.update(run.critic.state())
     rollout = run.rollout.state()

@@ -24,6 +24,7 @@ from posttrain.monitor.alarms import AlarmMonitor
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
 from posttrain.plan.measure import Measured
 from posttrain.recipes.rl.config import RLConfig
+from posttrain.recipes.rl.drift import DriftProbe
 from posttrain.recipes.rl.phases import TokenMeans
 from posttrain.recipes.rl.ppo import Critic
 from posttrain.rewards.registry import ComposedReward
@@ -99,6 +100,7 @@ class RLRun:
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
+    drift: DriftProbe | None = None  # KL to the start policy when no reference is held (β = 0)
 
     @property
     def beta(self) -> float:

@@ -50,9 +50,14 @@ def rl_step(run: RLRun, step: int) -> dict:
     if run.critic is not None:
         with timer("critic"):
             adv_metrics = run.critic.advantages(run, batches)
-    # 4. update
+    # 4. update (β = 0: the first step's samples become the KL-to-start probe before it)
+    if run.drift is not None:
+        run.drift.capture(run, trajs)
     with timer("update"):
         update_metrics = update(run, batches, train_policy=run.critic is None or step >= cfg.critic_warmup)
+    if run.drift is not None:
+        with timer("kl_start"):
+            update_metrics.update(run.drift.measure(run, step))
     # 5. log
     return log_step(run, step, trajs, t0, {**collect_metrics, **adv_metrics, **update_metrics, "skipped": 0})
 
@@ -111,8 +116,9 @@ def update_metrics(run: RLRun, stats: UpdateStats, lr: float, beta: float, batch
     """The update's row: lr, KL and β (the KL controller follows the KL), the loss metrics, entropy,
     trainer-vs-sampler consistency."""
     out = stats.losses.result()
-    kl = out.pop("kl/mean", 0.0)
+    kl = out.pop("kl/mean", None)  # measured only against a reference: absent at β = 0 (see kl_start)
     if run.ref is not None:
+        kl = kl if kl is not None else 0.0
         if run.critic is not None:  # PPO: KL(π_old ‖ π_ref) from the reward's k1 terms
             kl, per_sequence, seqs = run.critic.reward_kl(batches)
         else:  # the loss's KL estimate per token -> nats per sequence, the controller's unit
@@ -120,4 +126,5 @@ def update_metrics(run: RLRun, stats: UpdateStats, lr: float, beta: float, batch
             seqs = max(sum(int(b.valid.sum()) for b in batches), 1)
             per_sequence = kl * tokens / seqs
         run.kl_ctl.update(per_sequence, seqs)
-    return {"lr": lr, "kl": kl, "beta": beta, **out, **stats.critic.result(), **stats.metrics()}
+    measured_kl = {"kl": kl} if kl is not None else {}
+    return {"lr": lr, **measured_kl, "beta": beta, **out, **stats.critic.result(), **stats.metrics()}

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rs": ("posttrain.recipes.rs:main", "rejection sampling: best of N by a reward -> SFT, iterated in rounds"),
     "distill": ("posttrain.recipes.distill:main", "distillation: mode=logit (top-k teacher cache) | sequence | on_policy (GKD)"),
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
+    "data": ("posttrain.data.cli:main", "`data export`: any data= source (task, file, Hub dataset, mixture) as a JSONL file"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
     "eval": ("posttrain.eval.cli:main", "pass@k, cons@k, pass^k with intervals; `eval compare A B`; `eval contamination`"),
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),

@@ -13,7 +13,8 @@ def test_generate_output_is_scored_by_score(tmp_path):
     assert len(rows) == 81 * 2
     first = rows[0]
     assert first["answer"] == "2" and first["prompt"][0]["content"].startswith("What is 1 + 1?")
-    assert first["completion"] == first["text"] and len(first["token_ids"]) == len(first["logprobs"]) <= 4
+    assert first["completion"] == [{"role": "assistant", "content": first["text"]}]  # the prompt's form (TRL: prompt + completion)
+    assert len(first["token_ids"]) == len(first["logprobs"]) <= 4
     assert main(["score", f"data={samples}", "reward=math", f"output={scored}"]) == 0
     out = [json.loads(line) for line in scored.read_text().splitlines()]
     assert len(out) == len(rows) and all(r["reward"] == 0.0 for r in out)  # a random model never answers right

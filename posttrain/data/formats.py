@@ -6,6 +6,7 @@
     preference             {"prompt", "chosen", "rejected"} | implicit prompt {"chosen", "rejected"}
     unpaired preference    {"prompt", "completion", "label"}
 
+Sources (`read_rows`): files, `datasets` folders, built-in tasks, Hub datasets and mixtures (data/sources.py).
 Each text field is a plain string or a conversation `[{"role", "content"}, ...]`. Extra columns
 (e.g. `answer`, `tests`) are kept and flow to reward functions as keyword arguments. Every row is
 checked before training; a problem raises DataError naming file, row and field.
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.data import tasks
+from posttrain.data import sources, tasks
 from posttrain.errors import DataError, UserError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -71,14 +72,21 @@ def _read_table(records: list[dict], source: str) -> list[Row]:
     return [Row(dict(r), source, i + 1) for i, r in enumerate(records)]
 
 
-def read_rows(source: str | Path) -> list[Row]:
-    """Rows of a JSONL/JSON/Parquet file, an HF `datasets` folder (save_to_disk), or a built-in task."""
+def read_rows(source: str | Path, seed: int = 0) -> list[Row]:
+    """Rows of a JSONL/JSON/Parquet file, an HF `datasets` folder (save_to_disk), a built-in task, a Hub dataset
+    (`org/name[:config]:split`, through `datasets.load_dataset`, from its cache offline) or a weighted mixture of
+    these (`a.jsonl:0.7,org/name:0.3`, subsampled with `seed`): data/sources.py."""
     name = str(source)
+    if sources.is_mixture(name):
+        return _read_mixture(name, seed)
     if name in tasks.TASKS or name.split(":", 1)[0] in tasks.TASKS:
         return _read_table(tasks.generate(name), f"task:{name}")
     path = Path(name)
+    if not path.exists() and sources.is_hub_dataset(name):
+        return _read_table(sources.load_hub(name), name)
     if not path.exists():
-        raise UserError(f"data '{name}' not found: give a .jsonl/.parquet file, a datasets folder or a task ({', '.join(tasks.TASKS)})")
+        raise UserError(f"data '{name}' not found: give a .jsonl/.parquet file, a datasets folder, a Hub dataset "
+                        f"(org/name[:split]) or a task ({', '.join(tasks.TASKS)})")
     if path.is_dir():
         import datasets
 
@@ -105,6 +113,15 @@ def read_rows(source: str | Path) -> list[Row]:
 
         return _read_table(pq.read_table(path).to_pylist(), str(path))
     raise UserError(f"{path}: unsupported data file type '{suffix}' (use .jsonl, .json, .parquet or a datasets folder)")
+
+
+def _read_mixture(spec: str, seed: int) -> list[Row]:
+    parts = sources.parse_mixture(spec)
+    tables = [read_rows(source, seed) for source, _ in parts]
+    for (source, _), rows in zip(parts, tables):
+        if not rows:
+            raise UserError(f"data mixture '{spec}': '{source}' has no rows")
+    return sources.mix(tables, [w for _, w in parts], seed)
 
 
 # ---------------------------------------------------------------- validation
@@ -171,8 +188,8 @@ def validate(rows: list[Row], allowed: tuple[str, ...] | None = None) -> str:
     return fmt
 
 
-def load(source: str | Path, allowed: tuple[str, ...] | None = None) -> tuple[list[Row], str]:
-    rows = read_rows(source)
+def load(source: str | Path, allowed: tuple[str, ...] | None = None, seed: int = 0) -> tuple[list[Row], str]:
+    rows = read_rows(source, seed)
     return rows, validate(rows, allowed)
 
 

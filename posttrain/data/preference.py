@@ -167,18 +167,18 @@ def check_unpaired(row: Row) -> Unpaired:
     return Unpaired(prompt, completion, row.data["label"], row)
 
 
-def load_pairs(source: str | Path) -> list[Pair]:
+def load_pairs(source: str | Path, seed: int = 0) -> list[Pair]:
     """Every row of a preference dataset, validated (explicit or implicit prompt)."""
-    rows = formats.read_rows(source)
+    rows = formats.read_rows(source, seed)
     if not rows:
         raise UserError(f"{source}: the dataset is empty")
     fmt = formats.detect_format(rows[0], PAIRED)
     return [check_pair(row, fmt) for row in rows]
 
 
-def load_preference(source: str | Path, unpaired_ok: bool = False) -> list[Pair] | list[Unpaired]:
-    """Pairs; with `unpaired_ok` (KTO) also an unpaired dataset ({prompt, completion, label})."""
-    rows = formats.read_rows(source)
+def load_preference(source: str | Path, unpaired_ok: bool = False, seed: int = 0) -> list[Pair] | list[Unpaired]:
+    """Pairs; with `unpaired_ok` (KTO) also an unpaired dataset ({prompt, completion, label}). `seed`: a mixture's draw."""
+    rows = formats.read_rows(source, seed)
     if not rows:
         raise UserError(f"{source}: the dataset is empty")
     fmt = formats.detect_format(rows[0], PAIRED + (UNPAIRED if unpaired_ok else ()))
@@ -329,10 +329,10 @@ def load_split(tok, data: str, eval_data: str = "", eval_fraction: float = 0.0, 
     `unpair_train` (KTO): training pairs become unpaired examples; held-out pairs stay pairs, so the
     preference accuracy is measured the same way for every loss. `scored` (reward models): sequences as a
     sequence classifier reads them (`render_scored`)."""
-    examples = load_preference(data, unpaired_ok)
+    examples = load_preference(data, unpaired_ok, seed)
     check_template(tok, [e.row for e in examples])
     if eval_data:
-        train, held = examples, load_preference(eval_data, unpaired_ok)
+        train, held = examples, load_preference(eval_data, unpaired_ok, seed)
     else:
         train, held = split(examples, eval_fraction, seed)
     if unpair_train and train and isinstance(train[0], Pair):

@@ -313,7 +313,7 @@ def setup(cfg: RSConfig) -> RSRun:
     out = Path(cfg.output_dir)
     if not cfg.resume and any(out.glob("round-*/round.json")):
         raise UserError(f"{out} already holds an rs run: pass resume=true, or choose another output_dir")
-    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
     reward_fn = build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # columns checked against the data
     tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     check_template(tok, rows)

@@ -119,10 +119,10 @@ def micro_batches(units: list[list[Tokenized]], size: int, pad_id: int, packed: 
 
 def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], list[dict]]:
     """(train samples, eval samples, eval conversations for sampling)."""
-    rows, fmt = formats.load(cfg.data, allowed=SFT_FORMATS)
+    rows, fmt = formats.load(cfg.data, allowed=SFT_FORMATS, seed=cfg.seed)
     check_template(tok, rows)
     if cfg.eval_data:
-        eval_rows, eval_fmt = formats.load(cfg.eval_data, allowed=SFT_FORMATS)
+        eval_rows, eval_fmt = formats.load(cfg.eval_data, allowed=SFT_FORMATS, seed=cfg.seed)
         check_template(tok, eval_rows)
     else:
         g = torch.Generator().manual_seed(cfg.seed + 7)
@@ -132,8 +132,17 @@ def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], li
         rows = [rows[i] for i in sorted(order[n_eval:])]
     train = tokenize_rows(tok, rows, fmt, cfg)
     evals = tokenize_rows(tok, eval_rows, eval_fmt, cfg)[: cfg.eval_max_rows]
-    convs = [r.data["messages"] for r in eval_rows if eval_fmt == "conversation"][: cfg.sample_count]
+    convs = [c for c in (conversation_of(r.data, eval_fmt) for r in eval_rows) if c][: cfg.sample_count]
     return train, evals, convs
+
+
+def conversation_of(data: dict, fmt: str) -> list[dict] | None:
+    """The conversation of a row for samples.jsonl: `messages`, or a conversational prompt + completion."""
+    if fmt == "conversation":
+        return data["messages"]
+    if fmt == "prompt_completion" and isinstance(data["prompt"], list) and isinstance(data["completion"], list):
+        return data["prompt"] + data["completion"]
+    return None
 
 
 # ---------------------------------------------------------------- evaluation helpers
@@ -326,6 +335,7 @@ def sft_step(run: SFTRun, step: int) -> dict:
         "padding_tokens": n_pad, "padding_fraction": n_pad / (n_tok + n_pad), "tokens_per_s": n_tok / dt, "epoch": run.sampler.epoch,
         **timer.pop(),
     }
+    run.measured.add_phases(row)  # plan.json's phase_seconds (the time/* keys)
     done = step + 1
     if run.evals and (done == cfg.max_steps or (cfg.eval_every and done % cfg.eval_every == 0)):
         row["eval/loss"] = mean_nll(run.model, run.evals, pad_id, cfg, run.info)

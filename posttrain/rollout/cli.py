@@ -1,8 +1,12 @@
 """`posttrain generate model=… data=prompts.jsonl n=… output=samples.jsonl [sampling keys] backend=builtin|hf|vllm`.
 
 Each input line has `prompt`: a string (rendered with the chat template, add_generation_prompt) or a
-`[{role, content}]` list. Each output line is one sample: prompt_index, sample_index, text, token_ids,
-logprobs (behaviour log-probs), finish_reason; bad prompts give one line with `error`.
+`[{role, content}]` list. Each output line is one sample, in the columns `posttrain sft`, `posttrain score`
+and TRL's trainers read: the row's columns, `prompt` as it was rendered (a conversation whenever the chat
+template was applied, a string prompt becoming one user turn), `completion` in the prompt's form (one
+assistant turn after a conversation, else the text), `messages` (prompt + completion, for conversations),
+and prompt_index, sample_index, text, token_ids, logprobs (behaviour log-probs), finish_reason; bad prompts
+give one line with `error`.
 """
 
 from __future__ import annotations
@@ -47,16 +51,28 @@ class GenerateConfig(Config):
 def read_prompts(path: str, tokenizer) -> tuple[list[list[int]], list[dict]]:
     """(token ids of every `prompt`, the rows): with a chat template a string prompt becomes one user turn and
     the template adds the generation header; without one (a base model) it is plain text, and conversations
-    are refused naming chat_template=. The rows' other columns (e.g. `answer`) travel to the output for `score`."""
+    are refused naming chat_template=. The rows' other columns (e.g. `answer`) travel to the output for `score`;
+    each row's `prompt` is the one rendered (the user turn a string became)."""
     rows, _ = formats.load(path, allowed=("prompt_only", "prompt_completion"))
     check_template(tokenizer, rows)
-    prompts = []
+    prompts, out = [], []
     for row in rows:
         prompt = row.data["prompt"]
         if isinstance(prompt, str) and has_template(tokenizer):
             prompt = [{"role": "user", "content": prompt}]
         prompts.append(render_prompt(tokenizer, prompt))
-    return prompts, [r.data for r in rows]
+        out.append({**row.data, "prompt": prompt})
+    return prompts, out
+
+
+def sample_row(row: dict, text: str) -> dict:
+    """The training columns of one sample: the row's columns, `completion` in its prompt's form (TRL concatenates
+    prompt + completion, so both are conversations or both strings), `messages` for conversations."""
+    extra = {k: v for k, v in row.items() if k not in ("messages", "completion")}
+    if isinstance(row["prompt"], list):
+        completion = [{"role": "assistant", "content": text}]
+        return {**extra, "completion": completion, "messages": row["prompt"] + completion}
+    return {**extra, "completion": text}
 
 
 def make_backend(cfg: GenerateConfig, tok):
@@ -96,9 +112,8 @@ def main(argv: list[str]) -> None:
                 continue
             for s in o.samples:
                 n_tok += len(s.token_ids)
-                # the row's columns (prompt, answer, tests...) + `completion`: the file `posttrain score` reads
-                extra = {k: v for k, v in rows[o.request_id].items() if k not in ("messages", "completion")}
-                f.write(json.dumps({**extra, "completion": s.text, "prompt_index": o.request_id, "sample_index": s.index,
+                # the row's columns (prompt, answer, tests...) + completion (+ messages): what score, sft and TRL read
+                f.write(json.dumps({**sample_row(rows[o.request_id], s.text), "prompt_index": o.request_id, "sample_index": s.index,
                                     "text": s.text, "token_ids": s.token_ids, "logprobs": s.logprobs,
                                     "finish_reason": s.finish_reason}) + "\n")
     errors = sum(1 for o in outs if o.error)

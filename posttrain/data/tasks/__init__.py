@@ -7,7 +7,8 @@
 `humaneval_mini:all` is 12 hand-written HumanEval-style code problems (`prompt` + `tests`, score with
 `code`). `multiply_3x2` is 3-digit × 2-digit multiplication for the calculator environment
 (`env=calculator`). Rows carry the
-columns every recipe understands: `messages` (SFT), `prompt` + `answer` (RL with a verifier).
+columns every recipe understands, and TRL's: `prompt` + `completion` (SFT; the same conversation is also in
+`messages`), `prompt` + `answer` (RL with a verifier).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "single
 
 def generate(name: str, seed: int = 1234) -> list[dict]:
     base, _, count = name.partition(":")
-    if count == "all":
-        return TASKS[base](None, random.Random(seed))
-    n = int(count) if count else 1000
-    return TASKS[base](n, random.Random(seed))
+    rows = TASKS[base](None if count == "all" else int(count) if count else 1000, random.Random(seed))
+    return [with_completion(r) for r in rows]
+
+
+def with_completion(row: dict) -> dict:
+    """A row with `messages` and its `prompt` also gets `completion` (the turns after the prompt): the columns
+    TRL's trainers read (SFT: prompt + completion; GRPO: prompt), so a task written to a file (`posttrain data
+    export`) trains there too. posttrain's SFT renders prompt + completion exactly as it renders `messages`."""
+    if "messages" in row and "prompt" in row and "completion" not in row:
+        return {**row, "completion": row["messages"][len(row["prompt"]):]}
+    return row

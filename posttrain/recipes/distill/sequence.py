@@ -89,7 +89,7 @@ def teacher_data(cfg: DistillConfig, run: rs.RSRun, prompt_tokens: list[int], ti
 
 def train(cfg: DistillConfig) -> dict:
     rs_cfg = rs_settings(cfg)
-    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+    rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
     reward_fn = (build_reward(rs_cfg.reward, rs_cfg.reward_args, rows, rs_cfg.sampling.max_new_tokens)
                  if cfg.reward else None)  # columns checked before any model loads
     teacher_tok = load_tokenizer(cfg.teacher)

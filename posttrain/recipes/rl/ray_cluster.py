@@ -69,7 +69,7 @@ class RewardWorker:
     """score(row, trajs) -> (rewards, reward metrics) with the run's composed reward."""
 
     def __init__(self, cfg):
-        rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+        rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
         self.score_fn = local_scorer(build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens))
 
     def score(self, row, trajs):
@@ -84,7 +84,7 @@ class RolloutWorker:
         self.cfg, self.queue, self.reward = cfg, queue, reward
         self.incarnation = uuid.uuid4().hex
         self.tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
-        self.rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"))
+        self.rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
         model = load_model(cfg.model, dtype=cfg.dtype, seed=cfg.seed).eval().requires_grad_(False)
         rows = (cfg.systems.max_staleness + 1) * cfg.prompts_per_step * cfg.group_size
         engine_cfg = cfg.engine.model_copy(update={

@@ -48,32 +48,35 @@ def test_a_healthy_stream_raises_nothing():
     assert fired == {} and printed == []
 
 
+JUMP = AlarmSettings(reward_jump_std=4.0)  # reward_jump is opt-in (docs/alarms.md: honest learning jumps too)
+
+
 def test_reward_jump_fires_after_warmup_and_shows_the_top_samples():
-    s = AlarmSettings()
+    s = JUMP
     band_top = 0.5 + 0.05 + 0.02  # the healthy reward never exceeds this
     jump = band_top + s.reward_jump_std * 0.07 + 0.1  # above mean + k·std of the healthy band (std < 0.07)
     rows = [healthy(i) for i in range(1, 31)]
     rows[2] = {**rows[2], "reward/mean": 5.0}  # step 3: inside warm-up, nothing to compare against yet
     rows[24] = {**rows[24], "reward/mean": jump}  # step 25: step 3 has left the 20-step window
-    fired, printed, mon = run_stream(rows)
+    fired, printed, mon = run_stream(rows, s)
     assert fired == {25: ["reward_jump"]}
     assert "sample 1 (reward 1" in printed[0] and "a much longer completion" in printed[0]
     assert mon.summary()["reward_jump"]["first_step"] == 25
 
 
 def test_reward_jump_std_floor_keeps_a_flat_band_quiet():
-    s = AlarmSettings()
+    s = JUMP
     flat = [{**healthy(i), "reward/mean": 0.0} for i in range(1, 11)]
     small = s.reward_jump_std * s.reward_jump_min_std * 0.9  # below the floored threshold
-    fired, _, _ = run_stream(flat + [{**healthy(11), "reward/mean": small}])
+    fired, _, _ = run_stream(flat + [{**healthy(11), "reward/mean": small}], s)
     assert fired == {}
-    fired, _, _ = run_stream(flat + [{**healthy(11), "reward/mean": small / 0.9 * 1.1}])
+    fired, _, _ = run_stream(flat + [{**healthy(11), "reward/mean": small / 0.9 * 1.1}], s)
     assert fired == {11: ["reward_jump"]}
 
 
 def test_length_blowup_and_collapse_relative_to_the_running_median():
-    s = AlarmSettings()
-    fired, printed, _ = run_stream(with_change(25, 26, **{"response_length/mean": 100 * s.length_blowup * 1.2}))
+    s = AlarmSettings(length_reward_corr=None)  # SAMPLES' reward grows with length: length_reward would fire too
+    fired, printed, _ = run_stream(with_change(25, 26, **{"response_length/mean": 100 * s.length_blowup * 1.2}), s)
     assert fired == {25: ["length_blowup"], 26: ["length_blowup"]}
     assert len(printed) == 1  # printed when it starts firing, logged while it lasts
     assert "a much longer completion" in printed[0].splitlines()[1]  # the longest sample first
@@ -81,7 +84,7 @@ def test_length_blowup_and_collapse_relative_to_the_running_median():
     assert fired == {25: ["length_collapse"]}
     assert "'short'" in printed[0].splitlines()[1]  # the shortest sample first
     # a gentle trend never fires
-    fired, _, _ = run_stream([{**healthy(i), "response_length/mean": 100 * 1.02 ** i} for i in range(1, 61)])
+    fired, _, _ = run_stream([{**healthy(i), "response_length/mean": 100 * 1.02 ** i} for i in range(1, 61)], s)
     assert fired == {}
 
 
@@ -188,11 +191,11 @@ def test_metrics_and_act():
 def test_state_round_trips_through_json_and_resumes_identically():
     rows = with_change(18, 30, **{"reward/mean": 0.9})
     rows[4] = {**rows[4], "loss": math.nan}
-    straight, _, _ = run_stream(rows)
-    mon = AlarmMonitor(AlarmSettings(), echo=lambda _: None)
+    straight, _, _ = run_stream(rows, JUMP)
+    mon = AlarmMonitor(JUMP, echo=lambda _: None)
     for i in range(1, 11):
         mon.check(i, rows[i - 1], SAMPLES)
-    resumed = AlarmMonitor(AlarmSettings(), echo=lambda _: None)
+    resumed = AlarmMonitor(JUMP, echo=lambda _: None)
     resumed.load(json.loads(json.dumps(mon.state(), allow_nan=False)))
     after = {i: [a.name for a in resumed.check(i, rows[i - 1], SAMPLES)] for i in range(11, 31)}
     assert {i: n for i, n in after.items() if n} == {i: n for i, n in straight.items() if i > 10}
@@ -215,21 +218,57 @@ def test_recorded_healthy_grpo_run_raises_nothing():
 
 def test_recorded_reward_hack_raises_the_reward_alarm_and_stop_shows_the_samples():
     """GRPO on the tiny model with a reward that pays for a string the task never needs (recorded by
-    scripts/record_reward_hack.py). The policy finds it at the first step from which every step has
+    scripts/record_reward_hack.py), with reward_jump switched on: a reward that is nothing but the hack, with no
+    verifier part and no held-out evaluation, leaves the default checks nothing to compare (docs/alarms.md). The policy finds it at the first step from which every step has
     samples with the string; the reward alarm must fire within two steps of that, and nothing before."""
     stream = read_jsonl(DATA / "tiny_reward_hack_stream.jsonl")
     has_hack = [any(" generates" in s["completion"] for s in rec["samples"]) for rec in stream]
     found = next(rec["step"] for i, rec in enumerate(stream) if all(has_hack[i:]))
     printed = []
-    mon = AlarmMonitor(AlarmSettings(), echo=printed.append)
+    mon = AlarmMonitor(JUMP, echo=printed.append)
     fired = {rec["step"]: [a.name for a in mon.check(rec["step"], rec["row"], rec["samples"])] for rec in stream}
     first = min(step for step, names in fired.items() if names)
     assert fired[first] == ["reward_jump"] and found <= first <= found + 2, (found, fired)
     assert " generates" in printed[0]  # the top-reward samples are shown: they carry the hack
-    stopper = AlarmMonitor(AlarmSettings(on_alarm="stop"), echo=lambda _: None)
+    stopper = AlarmMonitor(JUMP.model_copy(update={"on_alarm": "stop"}), echo=lambda _: None)
     with pytest.raises(AlarmStop) as err:
         for rec in stream:
             stopper.act(stopper.check(rec["step"], rec["row"], rec["samples"]))
     assert err.value.alarms[0].step == first
     assert all(" generates" in s["completion"] for s in err.value.alarms[0].samples)
     assert " generates" in str(err.value)
+
+
+def test_shaping_rise_fires_when_the_non_verifier_part_pays_more_not_when_the_verifier_does():
+    """reward = math + bonus: the bonus share rising by more than shaping_rise over its first steps fires;
+    the same rise in math (the task being learnt) does not."""
+    def row(i, math_mean, bonus):
+        return {**healthy(i), "reward/mean": math_mean + bonus, "rewards/math/mean": math_mean, "rewards/bonus/mean": bonus}
+    s = AlarmSettings()
+    hacked = [row(i, 0.2, 0.05 if i < 8 else 0.5) for i in range(1, 12)]
+    mon = AlarmMonitor(s, echo=lambda _: None, verifiers={"math": 1.0})
+    fired = {i: [a.name for a in mon.check(i, r, SAMPLES)] for i, r in enumerate(hacked, 1)}
+    assert [i for i, n in fired.items() if "shaping_rise" in n] == [8, 9, 10, 11]
+    learning = [row(i, 0.2 if i < 8 else 0.9, 0.05) for i in range(1, 12)]
+    mon = AlarmMonitor(s, echo=lambda _: None, verifiers={"math": 1.0})
+    assert not any("shaping_rise" in [a.name for a in mon.check(i, r, SAMPLES)] for i, r in enumerate(learning, 1))
+    mon = AlarmMonitor(s, echo=lambda _: None)  # no verifier known: nothing to compare
+    assert not any(mon.check(i, r, SAMPLES) for i, r in enumerate(hacked, 1))
+
+
+def test_eval_gap_compares_recent_training_reward_with_held_out_pass_at_1():
+    s = AlarmSettings()
+    rows = [{**healthy(i), "reward/mean": 0.9} for i in range(1, 6)]
+    rows[-1] = {**rows[-1], "eval/pass@1": 0.9 - s.eval_gap - 0.05}
+    fired, printed, _ = run_stream(rows)
+    assert fired == {5: ["eval_gap"]} and "held-out pass@1" in printed[0]
+    rows[-1]["eval/pass@1"] = 0.9 - s.eval_gap + 0.05
+    assert run_stream(rows)[0] == {}
+
+
+def test_length_reward_needs_both_the_correlation_and_the_growth():
+    s = AlarmSettings(length_blowup=None)
+    grow = [{**healthy(i), "response_length/mean": 100 if i <= 5 else 100 * s.length_growth * 1.1} for i in range(1, 8)]
+    assert run_stream(grow, s)[0] == {6: ["length_reward"], 7: ["length_reward"]}  # SAMPLES: longer earns more
+    anti = [{**x, "reward": 1.0 - x["reward"]} for x in SAMPLES]  # shorter earns more: learning to be brief
+    assert run_stream(grow, s, samples=anti)[0] == {}

@@ -90,3 +90,16 @@ def test_hook_runs_on_the_rl_recipes_engine_and_reward(tmp_path):
     assert hook.maybe(run.engine, 1) == {}  # every = 0: only at the end
     m = hook.maybe(run.engine, 1, last=True)
     assert m["eval/pass@1_low"] <= m["eval/pass@1"] <= m["eval/pass@1_high"] and "eval/pass@2" in m
+
+
+def test_hook_scores_with_the_training_rewards_verifiers_only(tiny_tok, capsys):
+    """With shaping terms mixed into the training reward, the held-out verdict is the verifier's alone."""
+    from posttrain.eval.hook import EvalHook, EvalSettings
+    from posttrain.rewards.registry import compose
+
+    mixed = compose("math,format:0.2")
+    hook = EvalHook(EvalSettings(data="single_digit_add:all", max_items=3), tiny_tok, recipe_reward=mixed)
+    assert hook.reward_fn.parts == [("math", 1.0)]
+    assert "the training reward's verifiers" in capsys.readouterr().out
+    plain = compose("math")
+    assert EvalHook(EvalSettings(data="single_digit_add:all", max_items=3), tiny_tok, recipe_reward=plain).reward_fn is plain

@@ -278,3 +278,12 @@ def test_cli_router_reports_user_errors(tmp_path, capsys):
 
     assert main(["score", "reward=nope", f"data={tmp_path}/x.jsonl", f"output={tmp_path}/o.jsonl"]) == 2
     assert "unknown reward" in capsys.readouterr().err
+
+
+def test_verifier_part_keeps_the_parts_that_read_a_ground_truth():
+    from posttrain.rewards.registry import compose
+
+    assert compose("math,format:0.2").verifiers == ["math"]
+    assert compose("math,format:0.2").verifier_part().parts == [("math", 1.0)]
+    assert compose("math").verifier_part() is None  # all verifiers: the reward itself
+    assert compose("format").verifier_part() is None  # none: nothing trusted to fall back on

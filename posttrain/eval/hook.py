@@ -41,7 +41,8 @@ class EvalSettings(Config):
     k: list[int] = Field(default_factory=lambda: [1], description="pass@k values logged (each <= n)")
     every: int = Field(0, ge=0, description="evaluate every N steps (0: the recipe's eval_every, or only at the end)")
     max_items: int = Field(64, ge=0, description="first N problems of data (0: all)")
-    reward: str = Field("", description="verifier; empty: the recipe's reward (rl) or math (sft)")
+    reward: str = Field("", description="verifier; empty: the recipe's reward (rl: only its verifier parts, those that read "
+                        "a ground-truth column, when shaping terms are mixed in) or math (sft)")
     reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {math: {mode: last_number}}")
     threshold: float = Field(1.0, description="a sample is correct when its reward >= threshold")
     sampling: dict = Field(default_factory=dict, description="sampling keys that differ from the recipe's, e.g. {temperature: 0.6, max_new_tokens: 64}")
@@ -110,8 +111,12 @@ class EvalHook:
         if settings.reward or recipe_reward is None:
             self.reward_fn = compose(settings.reward or "math", on_error="record",
                                      options={k: dict(v) for k, v in settings.reward_args.items()})
-        else:
-            self.reward_fn = recipe_reward
+        else:  # the recipe's reward; with shaping terms mixed in, only its verifiers (a trusted held-out verdict)
+            trusted = recipe_reward.verifier_part() if hasattr(recipe_reward, "verifier_part") else None
+            self.reward_fn = trusted or recipe_reward
+            if trusted is not None:
+                print(f"held-out eval scores with {trusted.__name__} (the training reward's verifiers; "
+                      f"eval.reward= to choose)", flush=True)
         check_columns(self.rows, getattr(self.reward_fn, "columns", {}))
         build_items(tok, self.rows)  # a prompt the template cannot render fails now, not mid-training
         self.sampling = settings.sampling_settings(default_sampling)

@@ -3,7 +3,10 @@
 Every step the monitor reads the metrics row the RL step already logs (names in docs/rl.md "Metrics")
 and the step's samples, and raises an alarm when a curve leaves its healthy range:
 
-    reward_jump       reward/mean > running mean + k·max(running std, floor)   (a hacking signal)
+    shaping_rise      what the non-verifier parts of a composed reward pay rose above its first steps
+    eval_gap          training reward (last steps) > held-out pass@1 under the trusted verifier + gap
+    length_reward     reward and length correlate within the step while the length grew past its start
+    reward_jump       reward/mean > running mean + k·max(running std, floor)   (off by default)
     length_blowup     response_length/mean > f · running median
     length_collapse   response_length/mean < f · running median
     entropy_collapse  entropy < floor, or < fraction × the entropy of the first steps
@@ -52,8 +55,17 @@ class AlarmSettings(Config):
                           description="warn (print and log) | stop (end the run) | checkpoint_and_stop (save, then end)")
     window: int = Field(20, ge=2, description="steps in the running band (mean / std / median) of the relative alarms")
     warmup_steps: int = Field(5, ge=1, description="steps observed before a relative alarm can fire; the initial entropy is their mean")
-    reward_jump_std: float | None = Field(4.0, gt=0, description="reward/mean above the running mean by this many running stds")
+    reward_jump_std: float | None = Field(None, gt=0, description="reward/mean above the running mean by this many running stds "
+                                          "(off by default: fast honest learning jumps too; docs/alarms.md)")
     reward_jump_min_std: float = Field(0.05, ge=0, description="floor on that std (in reward units): a flat band would fire on any change")
+    shaping_rise: float | None = Field(0.15, gt=0, description="reward units: what the non-verifier parts of a composed reward pay "
+                                       "(reward/mean − the verifiers' share) rose above its first steps' level")
+    eval_gap: float | None = Field(0.3, gt=0, description="training reward/mean (mean of the last eval_gap_window steps) above "
+                                   "the held-out eval/pass@1 (a trusted verifier) by more than this")
+    eval_gap_window: int = Field(5, ge=1, description="steps of training reward averaged for eval_gap")
+    length_reward_corr: float | None = Field(0.5, gt=0, le=1, description="within-step correlation of reward and completion "
+                                             "length above this while the mean length grew past length_growth × its start")
+    length_growth: float = Field(1.5, gt=1, description="the length growth length_reward_corr needs (× the first steps' median)")
     length_blowup: float | None = Field(2.0, gt=1, description="response_length/mean above this × its running median")
     length_collapse: float | None = Field(0.3, gt=0, lt=1, description="response_length/mean below this × its running median")
     entropy_floor: float | None = Field(0.02, ge=0, description="entropy (nats per token) below this, from the first step")
@@ -221,12 +233,89 @@ def consistency(s: AlarmSettings, row: dict, bands: dict, initial: dict):
     return None
 
 
+def _initial_mean(s: AlarmSettings, initial: dict, key: str) -> float | None:
+    values = initial.get(key) or []
+    return statistics.fmean(values) if len(values) >= min(s.warmup_steps, 3) else None
+
+
+def shaping_rise(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    """What the shaping parts pay (`reward/shaping` = reward/mean − the verifier parts' weighted means; only
+    for a composition of verifiers and other terms) rose by more than `shaping_rise` over the first steps:
+    the policy is being paid for something the task's verifier does not check."""
+    v, start = row.get("reward/shaping"), _initial_mean(s, initial, "reward/shaping")
+    if s.shaping_rise is None or v is None or start is None:
+        return None
+    limit = start + s.shaping_rise
+    if v > limit:
+        return v, limit, (f"the non-verifier reward parts pay {v:.3g} per sample, up from {start:.3g} in the first steps, "
+                          f"while the verifier pays {row.get('reward/verifier', math.nan):.3g}: read the top samples")
+    return None
+
+
+def eval_gap(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    """On an evaluation step: the training reward (mean of the last `eval_gap_window` steps) above the
+    held-out pass@1 under the trusted verifier by more than `eval_gap`: training pays what held-out
+    correctness does not show."""
+    held_out, band = row.get("eval/pass@1"), bands.get("reward/mean")
+    if s.eval_gap is None or held_out is None or row.get("reward/mean") is None:
+        return None
+    recent = ([*band.values] if band is not None else [])[-(s.eval_gap_window - 1):] + [row["reward/mean"]]
+    train = statistics.fmean(recent)
+    if train - held_out > s.eval_gap:
+        return train - held_out, s.eval_gap, (f"training reward {train:.3g} (last {len(recent)} steps) vs held-out "
+                                              f"pass@1 {held_out:.3g}: a gap of {train - held_out:.3g} > {s.eval_gap:g}")
+    return None
+
+
+def length_reward(s: AlarmSettings, row: dict, bands: dict, initial: dict):
+    """Longer samples earn more (within-step correlation of reward and length) while the mean length grew
+    past `length_growth` × its first steps' level: length is being paid for."""
+    corr, v = row.get("reward_length/corr"), row.get("response_length/mean")
+    start = _initial_mean(s, initial, "response_length/mean")
+    if s.length_reward_corr is None or corr is None or v is None or start is None or start <= 0:
+        return None
+    if corr > s.length_reward_corr and v > s.length_growth * start:
+        return corr, s.length_reward_corr, (f"reward-length correlation {corr:.3g} > {s.length_reward_corr:g} while "
+                                            f"response_length/mean {v:.4g} > {s.length_growth:g} × initial {start:.4g}")
+    return None
+
+
+def correlation(xs: list[float], ys: list[float]) -> float | None:
+    """Pearson correlation; None for fewer than 3 points or a constant side."""
+    if len(xs) < 3:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def derived(numbers: dict, samples: list[dict], verifiers: dict[str, float]) -> dict:
+    """The signals the hacking checks read, from the row and the step's samples: `reward/verifier` and
+    `reward/shaping` (the weighted verifier parts and the rest of reward/mean; only when the reward mixes
+    verifiers with other terms) and `reward_length/corr`."""
+    out = {}
+    parts = {k[len("rewards/"):-len("/mean")] for k in numbers if k.startswith("rewards/") and k.endswith("/mean")}
+    if verifiers and "reward/mean" in numbers and parts - set(verifiers) and set(verifiers) <= parts:
+        out["reward/verifier"] = sum(w * numbers[f"rewards/{n}/mean"] for n, w in verifiers.items())
+        out["reward/shaping"] = numbers["reward/mean"] - out["reward/verifier"]
+    scored = [(len(str(x.get("completion", ""))), float(x["reward"])) for x in samples
+              if isinstance(x.get("reward"), (int, float)) and math.isfinite(x["reward"])]
+    corr = correlation([a for a, _ in scored], [b for _, b in scored])
+    if corr is not None:
+        out["reward_length/corr"] = corr
+    return out
+
+
 # name -> (check, which samples to show)
 CHECKS: dict[str, tuple[Check, str]] = {
     "reward_jump": (reward_jump, "reward"),
     "length_blowup": (length_blowup, "longest"),
     "length_collapse": (length_collapse, "shortest"),
     "entropy_collapse": (entropy_collapse, "first"),
+    "shaping_rise": (shaping_rise, "reward"),
+    "eval_gap": (eval_gap, "reward"),
+    "length_reward": (length_reward, "longest"),
     "kl_budget": (kl_budget, "reward"),
     "clip_frac": (clip_frac, "first"),
     "grad_norm_spike": (grad_norm_spike, "first"),
@@ -234,6 +323,7 @@ CHECKS: dict[str, tuple[Check, str]] = {
 }
 NAMES = ("nonfinite", *CHECKS)
 TRACKED = ("reward/mean", "response_length/mean", "grad_norm")  # metrics with a running band
+INITIAL = ("entropy", "reward/shaping", "response_length/mean")  # metrics whose first warmup_steps values are kept
 
 
 def as_number(value) -> float | None:
@@ -275,11 +365,14 @@ def pick_samples(samples: list[dict], how: str, k: int) -> list[dict]:
 class AlarmMonitor:
     """Evaluates every alarm on each step's row; keeps the running bands (serialisable for resume)."""
 
-    def __init__(self, settings: AlarmSettings | None = None, echo: Callable[[str], None] | None = None):
+    def __init__(self, settings: AlarmSettings | None = None, echo: Callable[[str], None] | None = None,
+                 verifiers: dict[str, float] | None = None):
+        """`verifiers`: name -> weight of the reward parts that check a ground truth (ComposedReward.verifiers)."""
         self.settings = settings or AlarmSettings()
         self.echo = echo or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.verifiers = dict(verifiers or {})
         self.history: dict[str, list[float]] = {k: [] for k in TRACKED}
-        self.initial: dict[str, list[float]] = {"entropy": []}
+        self.initial: dict[str, list[float]] = {k: [] for k in INITIAL}
         self.active: list[str] = []  # alarms that fired on the previous step (printing is on the rising edge)
         self.log: dict[str, dict] = {}  # name -> {"first_step", "steps", "last_step", "value", "threshold"}
 
@@ -287,6 +380,7 @@ class AlarmMonitor:
         """The alarms firing at `step`; prints those that were not firing on the previous step."""
         s, samples = self.settings, list(samples or [])
         numbers = {k: x for k, v in row.items() if (x := as_number(v)) is not None and math.isfinite(x)}
+        numbers.update(derived(numbers, samples, self.verifiers))
         fired: list[Alarm] = []
         if s.nonfinite:
             bad = nonfinite_keys(row, s.nonfinite_ignore)
@@ -307,8 +401,9 @@ class AlarmMonitor:
         for k in TRACKED:
             if k in numbers:
                 self.history[k] = (self.history[k] + [numbers[k]])[-self.settings.window:]
-        if "entropy" in numbers and len(self.initial["entropy"]) < self.settings.warmup_steps:
-            self.initial["entropy"].append(numbers["entropy"])
+        for k in INITIAL:
+            if k in numbers and len(self.initial[k]) < self.settings.warmup_steps:
+                self.initial[k].append(numbers[k])
 
     def _record(self, fired: list[Alarm]) -> None:
         for a in fired:
@@ -340,6 +435,15 @@ class AlarmMonitor:
 
     def load(self, state: dict) -> None:
         self.history = {k: list(state.get("history", {}).get(k, [])) for k in TRACKED}
-        self.initial = {"entropy": list(state.get("initial", {}).get("entropy", []))}
+        self.initial = {k: list(state.get("initial", {}).get(k, [])) for k in INITIAL}
         self.active = list(state.get("active", []))
         self.log = {k: dict(v) for k, v in state.get("log", {}).items()}
+
+
+def replay(records: list[dict], settings: AlarmSettings | None = None, verifiers: dict[str, float] | None = None
+           ) -> dict[int, list[str]]:
+    """Run the alarms over a recorded run: `records` = [{"row": metrics row, "samples": [...]}, ...] in step
+    order (tests/fixtures/alarms, benchmarks/alarm_corpus.py). -> step -> names of the alarms firing."""
+    monitor = AlarmMonitor(settings, echo=lambda text: None, verifiers=verifiers)
+    return {r["row"]["step"]: [a.name for a in monitor.check(r["row"]["step"], r["row"], r.get("samples"))]
+            for r in records}

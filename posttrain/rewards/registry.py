@@ -326,6 +326,20 @@ class ComposedReward:
     def columns(self) -> dict[str, tuple]:
         return {n: spec.columns for n, spec in self.specs.items()}
 
+    @property
+    def verifiers(self) -> list[str]:
+        """The parts that check against a ground-truth column (answer, tests): the task's own verdict, as
+        opposed to shaping terms (format, length, a bonus of the user's) that read only the completion."""
+        return [n for n, spec in self.specs.items() if spec.columns]
+
+    def verifier_part(self) -> "ComposedReward | None":
+        """The verifier parts alone (the trusted held-out reward when shaping terms are mixed in), or None
+        when the composition is all verifiers or has none."""
+        keep = [(n, w) for n, w in self.parts if n in self.verifiers]
+        if not keep or len(keep) == len(self.parts):
+            return None
+        return ComposedReward(keep, on_error="record", options={n: v for n, v in self.options.items() if n in dict(keep)})
+
     def __call__(self, prompts: list, completions: list, **columns) -> list[float | None]:
         n = len(completions)
         prompts = list(prompts) if prompts is not None else [None] * n

@@ -87,7 +87,8 @@ def setup(cfg: RLConfig) -> RLRun:
                 cfg.resolved_agg,
                 cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
                 device, info=info, critic=critic, measured=measured, eval_hook=eval_hook,
-                alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None))
+                alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
+                                    verifiers=verifier_weights(reward_fn)))
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
@@ -199,3 +200,9 @@ def activation_probe(run: RLRun, model: torch.nn.Module) -> dict | None:
         return int(batch.input_ids.numel()), step
 
     return activation_fit(model, make_step)
+
+
+def verifier_weights(reward_fn) -> dict[str, float]:
+    """name -> weight of the reward's parts that check a ground truth (the alarms' trusted share)."""
+    names = set(getattr(reward_fn, "verifiers", []))
+    return {n: w for n, w in getattr(reward_fn, "parts", []) if n in names}

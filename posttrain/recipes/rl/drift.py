@@ -7,7 +7,7 @@ without a second model:
 
 - at the first step, before the first update, `size` of the step's samples y ~ π₀ are kept (one per
   group first, so the set spans prompts) with their token log-probs under π₀ (the temperature-only
-  distribution, as the reference is scored: no top-k/top-p truncation);
+  distribution, as the reference is scored: no top-k/top-p truncation; in fp32, see `_score`);
 - after the first update and every `every` steps after it, the same tokens are re-scored under π_θ (no grad) and
 
       KL(π₀ ‖ π_θ) ≈ mean over the probe's tokens of  k3 = r − 1 − log r,   r = π_θ(y_t) / π₀(y_t)
@@ -59,7 +59,9 @@ class DriftProbe:
         """log π_θ of every probe sample's loss tokens (temperature-only distribution), in probe order."""
         out = []
         for b in self._batch(run):
-            logp, _ = ph.policy_logps(run.model, b, run.cfg.sampling.temperature, run.cfg.mixed_precision, truncated=False)
+            # fp32 whatever the trainer's autocast: under bf16 a step flips many weights by one bf16 ulp, a noise
+            # floor (~0.1 nats/token on SmolLM2) that would hide the drift; the engine samples the fp32 weights
+            logp, _ = ph.policy_logps(run.model, b, run.cfg.sampling.temperature, "none", truncated=False)
             out += [logp[i, : int(b.mask[i].sum())].float().cpu() for i in range(logp.shape[0])]
         return out
 

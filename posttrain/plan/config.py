@@ -65,7 +65,11 @@ class PlanConfig(Config):
     hardware: Optional[str] = Field(None, description="named accelerator: h100, h200, a100, b200 (sets peak_flops and device_memory); cpu: this machine's CPU, its matmul FLOP/s measured")
     compute_dtype: Optional[str] = Field(None, description="hardware=cpu: the dtype the matmuls run in, bf16 | fp32 (default: dtype; bf16 for mixed precision)")
     peak_flops: Optional[float] = Field(None, gt=0, description="peak FLOP/s of one device (H100 dense BF16: 989e12)")
-    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation, in (0, 1]")
+    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation, in (0, 1]: the share of the peak a compute-bound pass reaches")
+    memory_bandwidth: Optional[float] = Field(None, gt=0, description="memory bytes/s of one device (default: named hardware's HBM, "
+                                              "hardware=cpu measured): decode steps are timed at the roofline with it")
+    mbu: float = Field(0.5, gt=0, le=1, description="memory bandwidth utilisation, in (0, 1]: the share of the bandwidth a decode step's reads reach")
+    decode_batch: Optional[int] = Field(None, ge=1, description="sequences decoded at once (the engine's max_num_seqs; default: every sequence of the step)")
     devices: int = Field(1, ge=1, description="devices sharing a step (divides seconds_per_step)")
     device_memory: Optional[float] = Field(None, gt=0, description="bytes of memory per device, e.g. 80e9 (gives devices_for_memory)")
 

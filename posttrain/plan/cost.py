@@ -23,6 +23,8 @@ HARDWARE = {
     "a100": (312e12, 80e9),
     "b200": (2250e12, 192e9),
 }
+# Their memory bandwidth in bytes/s (HBM): what a decode step's weight and KV reads are divided by.
+BANDWIDTH = {"h100": 3.35e12, "h200": 4.8e12, "a100": 2.039e12, "b200": 8e12}
 
 
 def dtype_bytes(name: str, key: str = "dtype") -> float:

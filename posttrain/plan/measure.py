@@ -32,6 +32,7 @@ compare tokens and FLOPs there, not memory. docs/planner.md has the measurements
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 import time
@@ -76,12 +77,25 @@ def reset_peak_rss() -> bool:
         return False
 
 
+def cuda_in_use():
+    """torch.cuda when this process has initialised CUDA (a run on a GPU), else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda
+
+
 class Measured:
-    """Accumulates what a run did: steps, tokens (all / generated), wall time per phase, peak RSS growth."""
+    """Accumulates what a run did: steps, tokens (all / generated), wall time per phase, peak RSS growth
+    (and on CUDA the peak of torch.cuda.max_memory_allocated over what was allocated at the start)."""
 
     def __init__(self) -> None:
         self.peak_reset = reset_peak_rss()
         self.rss_start = rss_bytes() or peak_rss_bytes()
+        cuda = cuda_in_use()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
+        self.cuda_start = cuda.memory_allocated() if cuda is not None else 0
         self.t0 = time.perf_counter()
         self.steps = 0
         self.tokens = 0
@@ -95,6 +109,13 @@ class Measured:
         self.steps += 1
         self.tokens += int(tokens)
         self.generated_tokens += int(generated_tokens)
+
+    def add_phases(self, seconds: dict) -> None:
+        """Add a step's phase timings: the `time/<phase>` keys of a row (PhaseTimer.pop()); other keys ignored."""
+        for key, value in seconds.items():
+            if key.startswith("time/") and isinstance(value, (int, float)) and math.isfinite(value):
+                name = key[len("time/"):]
+                self.phase_seconds[name] = self.phase_seconds.get(name, 0.0) + float(value)
 
     @contextmanager
     def phase(self, name: str):
@@ -123,6 +144,13 @@ class Measured:
             "peak_rss_growth_bytes": peak - self.rss_start,
             "peak_reset": self.peak_reset,  # False: the peak may predate this run
         }
+        cuda = cuda_in_use()
+        if cuda is not None:  # a GPU run: the device's allocations are the memory that can run out
+            out["cuda_peak_allocated_bytes"] = cuda.max_memory_allocated()
+            out["cuda_peak_growth_bytes"] = out["cuda_peak_allocated_bytes"] - self.cuda_start
+            out["memory_source"] = "torch.cuda.max_memory_allocated"
+        else:
+            out["memory_source"] = "peak RSS (VmHWM)"
         if flops_per_token is not None and seconds > 0:
             out["flops"] = flops_per_token * self.tokens
             out["achieved_flops_per_second"] = out["flops"] / seconds
@@ -148,16 +176,67 @@ def write_measured(run_dir: str | Path, measured: Measured | dict, flops_per_tok
     flops_per_token = flops_per_token if flops_per_token is not None else pred.get("flops_per_token")
     m = measured.as_dict(flops_per_token, peak_flops) if isinstance(measured, Measured) else dict(measured)
     data["measured"] = m
-    comparison = {}
-    if pred.get("peak_bytes_estimate") and m.get("peak_rss_growth_bytes") is not None:
-        comparison["peak_rss_growth_over_predicted"] = m["peak_rss_growth_bytes"] / pred["peak_bytes_estimate"]
-    if pred.get("tokens_per_step") and m.get("tokens_per_step"):
-        comparison["tokens_per_step_over_predicted"] = m["tokens_per_step"] / pred["tokens_per_step"]
-    if pred.get("seconds_per_step") and m.get("seconds_per_step"):
-        comparison["seconds_per_step_over_predicted"] = m["seconds_per_step"] / pred["seconds_per_step"]
-    peak = (pred.get("hardware") or {}).get("peak_flops")
-    if peak and m.get("achieved_flops_per_second"):  # the MFU the run reached, against the planner's assumption
-        comparison["achieved_mfu"] = m["achieved_flops_per_second"] / peak
+    comparison, notes = compare(pred, m)
+    data["notes"] = notes
     data["comparison"] = comparison
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+# The planner's phases and the timers that measure them: (name, timer names summed, planner phases summed).
+# RL's `update` holds PPO's value training too; SFT times forward_backward and the optimizer's update apart.
+PHASES = (("generate", ("generate", "sample"), ("generate",)),
+          ("train", ("update", "forward_backward", "sft"), ("train", "value_train")),
+          ("reference", ("reference",), ("reference",)), ("value", ("critic",), ("value",)))
+
+
+def compare(pred: dict, m: dict) -> tuple[dict, list[str]]:
+    """Measured over predicted: memory, tokens, seconds per step and per phase; the MFU the compute phases
+    reached (FLOPs run / their measured seconds / peak). An MFU above 1 is impossible: it is not reported as
+    a number but as a note naming the likely measurement error."""
+    out: dict = {}
+    notes: list[str] = []
+    if pred.get("peak_bytes_estimate"):
+        if m.get("cuda_peak_growth_bytes") is not None:
+            out["peak_memory_over_predicted"] = m["cuda_peak_growth_bytes"] / pred["peak_bytes_estimate"]
+        if m.get("peak_rss_growth_bytes") is not None:
+            out["peak_rss_growth_over_predicted"] = m["peak_rss_growth_bytes"] / pred["peak_bytes_estimate"]
+    tokens_ratio = m["tokens_per_step"] / pred["tokens_per_step"] if pred.get("tokens_per_step") and m.get("tokens_per_step") else None
+    if tokens_ratio is not None:
+        out["tokens_per_step_over_predicted"] = tokens_ratio
+    if pred.get("seconds_per_step") and m.get("seconds_per_step"):
+        out["seconds_per_step_over_predicted"] = m["seconds_per_step"] / pred["seconds_per_step"]
+    steps = m.get("steps") or 0
+    by_phase = {p["phase"]: p for p in pred.get("phases") or []}
+    ratios, compute = {}, [0.0, 0.0]  # [FLOPs run, measured seconds] of the compute-bound phases
+    for name, timers, planned in PHASES:
+        seconds = sum((m.get("phase_seconds") or {}).get(t, 0.0) for t in timers)
+        entries = [by_phase[p] for p in planned if p in by_phase and by_phase[p].get("seconds")]
+        if not seconds or not entries or not steps:
+            continue
+        ratios[name] = seconds / steps / sum(e["seconds"] for e in entries)
+        if all(e.get("bound") == "compute" and e.get("flops_run") for e in entries):
+            compute[0] += sum(e["flops_run"] for e in entries) * steps * (tokens_ratio or 1.0)
+            compute[1] += seconds
+    if ratios:
+        out["phase_seconds_over_predicted"] = ratios
+    peak = (pred.get("hardware") or {}).get("peak_flops")
+    if peak and not compute[1] and pred.get("flops_run_per_step") and m.get("seconds"):  # no phase timings: the whole step
+        compute = [pred["flops_run_per_step"] * steps * (tokens_ratio or 1.0), m["seconds"]]
+    if peak and compute[1] > 0 and compute[0] > 0:
+        mfu = compute[0] / compute[1] / peak
+        if mfu <= 1:
+            out["achieved_mfu"] = mfu
+        else:
+            out["achieved_mfu"] = None
+            notes.append(f"measurement error: the compute phases ran {compute[0]:.3g} FLOPs in {compute[1]:.3g} s, "
+                         f"{mfu:.2f}x the peak of {peak:.3g} FLOP/s, and no run beats its peak (MFU > 1 is impossible). "
+                         "The peak was timed low (a busy CPU when it was measured: see predicted.hardware.rates; delete "
+                         f"{_rates_file()} to measure again) or a phase timer missed work")
+    return out, notes
+
+
+def _rates_file() -> str:
+    from posttrain.plan.cpu import cache_path
+
+    return str(cache_path())

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from posttrain.errors import UserError
 from posttrain.plan import arch as archmod
-from posttrain.plan import cost, cpu, methods
+from posttrain.plan import cost, cpu, methods, timing
 from posttrain.plan.config import PlanConfig
 from posttrain.plan.resolve import ModelSpec, resolve_model
 
@@ -171,7 +171,8 @@ def predict_config(cfg: PlanConfig, **objects) -> dict:
         out["distill"] = _distill(cfg, opt.distill, sizes["teacher"])
     if method.name == "rs":
         out["bon_kl_nats"] = cost.bon_kl(group)
-    _add_hardware(out, cfg, flops_per_step, flops_per_token, memory_total, notes)
+    shape = _time_shape(cfg, method, sizes, phases, sequences, tokens_per_seq, generated_per_seq, infer_bytes, kv_value_bytes)
+    _add_hardware(out, cfg, flops_per_step, flops_per_token, memory_total, notes, shape)
     if cfg.eval_n:
         out["eval"] = {"n": cfg.eval_n, "p": cfg.eval_p, "ci95_half_width": cost.ci95_half_width(cfg.eval_p, cfg.eval_n)}
     _name_unknowns(out, policy, unknown)
@@ -401,8 +402,40 @@ def _peak_and_memory(cfg: PlanConfig, notes: list[str]) -> tuple[float | None, f
     return peak, device_memory
 
 
+def _time_shape(cfg: PlanConfig, method: methods.Method, sizes: dict, phases: list[dict], sequences: int,
+                tokens_per_seq: int, generated_per_seq: int, infer_bytes: float, kv_value_bytes: float) -> dict:
+    """What the time model (plan/timing.py) needs of a step: the trainer's tokens (a shared prefix runs each
+    group's prompt once), the decode batch, prefill tokens (the engine forks a group from one prompt) and
+    the generating model's weights and KV bytes per token."""
+    gen = next((p for p in phases if p["phase"] == "generate"), None)
+    spec = sizes["teacher" if gen is not None and gen["role"] == "teacher" else "model"]
+    prompt = tokens_per_seq - generated_per_seq
+    groups = cfg.batch if method.generates else sequences
+    return {"tokens_per_step": sequences * tokens_per_seq,
+            "executed_tokens": _trained_tokens(cfg, sequences, tokens_per_seq) if method.generates else sequences * tokens_per_seq,
+            "sequences": sequences, "decode_batch": cfg.decode_batch or sequences, "generated_per_seq": generated_per_seq,
+            "prompt_tokens_per_seq": prompt, "prefill_tokens": groups * cfg.prompt_len + sequences * (prompt - cfg.prompt_len),
+            "gen_params": spec.compute_params if gen is not None else None,
+            "gen_weight_bytes": spec.params * infer_bytes if gen is not None and spec.params else None,
+            "gen_kv_bytes_per_token": spec.arch.kv_bytes_per_token(kv_value_bytes) if gen is not None and spec.arch else None}
+
+
+def _rates(cfg: PlanConfig, peak: float, notes: list[str]) -> dict:
+    """The rates of the time model: compute peak, decode peak (the engine samples in the weights' dtype), bandwidth."""
+    rates = {"peak": peak, "decode_peak": peak, "bandwidth": cfg.memory_bandwidth, "mfu": cfg.mfu, "mbu": cfg.mbu}
+    name = (cfg.hardware or "").lower()
+    if name == "cpu":
+        if cfg.peak_flops is None and (cfg.compute_dtype or cfg.dtype) != cfg.dtype:
+            rates["decode_peak"] = cpu.measured_peak_flops(cfg.dtype)
+        if rates["bandwidth"] is None:
+            rates["bandwidth"] = cpu.measured_bandwidth()
+    elif name in cost.BANDWIDTH and rates["bandwidth"] is None:
+        rates["bandwidth"] = cost.BANDWIDTH[name]
+    return rates
+
+
 def _add_hardware(out: dict, cfg: PlanConfig, flops_per_step: float | None, flops_per_token: float | None,
-                  memory: float | None, notes: list[str]) -> None:
+                  memory: float | None, notes: list[str], shape: dict | None = None) -> None:
     peak, device_memory = _peak_and_memory(cfg, notes)
     if cfg.tokens is not None and cfg.steps is not None:
         raise UserError("tokens: give either tokens or steps for the run length, not both")
@@ -416,13 +449,25 @@ def _add_hardware(out: dict, cfg: PlanConfig, flops_per_step: float | None, flop
     out["hardware"] = None
     out["seconds_per_step"] = None
     if peak is not None:
+        rates = _rates(cfg, peak, notes)
         out["hardware"] = {"name": cfg.hardware, "peak_flops": peak, "mfu": cfg.mfu, "devices": cfg.devices,
-                           "device_memory": device_memory}
-        if flops_per_step is not None:
+                           "device_memory": device_memory, "decode_peak_flops": rates["decode_peak"],
+                           "memory_bandwidth": rates["bandwidth"], "mbu": cfg.mbu}
+        if (cfg.hardware or "").lower() == "cpu":
+            out["hardware"]["rates"] = {k: {f: e.get(f) for f in ("value", "source", "measured_at", "load", "cpu", "cores")}
+                                        for k, e in cpu.rate_entries().items()}
+        if flops_per_step is not None and shape is not None:
+            times = timing.phase_seconds(out["phases"], rates, shape)
+            for p, t in zip(out["phases"], times):
+                p.update({k: v for k, v in t.items() if k != "phase"})
+            one = _total(t["seconds"] for t in times)
+            out["seconds_per_step"] = one / cfg.devices if one is not None else None
+            out["flops_run_per_step"] = _total(t.get("flops_run") for t in times)
+        elif flops_per_step is not None:
             out["seconds_per_step"] = cost.seconds(flops_per_step, peak, cfg.mfu, cfg.devices)
-        if run is not None and run["flops"] is not None:
-            run["seconds"] = cost.seconds(run["flops"], peak, cfg.mfu, cfg.devices)
-            run["gpu_hours"] = cost.seconds(run["flops"], peak, cfg.mfu) / 3600  # device-hours at any device count
+        if run is not None and run["flops"] is not None and out["seconds_per_step"] is not None:
+            run["seconds"] = out["seconds_per_step"] * run["steps"]
+            run["gpu_hours"] = run["seconds"] * cfg.devices / 3600  # device-hours at any device count
     elif device_memory is None and cfg.devices != 1:
         raise UserError("devices: needs peak_flops or hardware to turn FLOPs into time")
     if device_memory is not None:

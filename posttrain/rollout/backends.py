@@ -164,3 +164,8 @@ class StepAdapter:
 
     def metrics(self) -> dict:
         return self.backend.metrics()
+
+    def reset_window(self) -> None:
+        reset = getattr(self.backend, "reset_window", None)
+        if reset is not None:
+            reset()

@@ -59,6 +59,7 @@ class EngineStats:
     decode_steps: int = 0
     occupancy_sum: float = 0.0  # running / max_num_seqs, summed over decode steps
     peak_kv_blocks: int = 0
+    window_peak_kv_blocks: int = 0  # since the last reset_window (a step's peak)
     preemptions: int = 0
 
     def as_dict(self, kv_block_bytes: int = 0, max_num_seqs: int = 1) -> dict:
@@ -275,6 +276,7 @@ class Engine:
         elif batch.kind == "decode":
             self._decode(batch)
         self.stats.peak_kv_blocks = max(self.stats.peak_kv_blocks, self.blocks.num_used)
+        self.stats.window_peak_kv_blocks = max(self.stats.window_peak_kv_blocks, self.blocks.num_used)
 
     def _prefill(self, batch: Batch) -> None:
         t = time.perf_counter()
@@ -444,4 +446,9 @@ class Engine:
         d = self.stats.as_dict(self.kv_block_bytes, self.config.max_num_seqs)
         d["kv_in_use_mb"] = self.blocks.num_used * self.kv_block_bytes / 2**20
         d["kv_capacity_mb"] = self.blocks.num_blocks * self.kv_block_bytes / 2**20
+        d["window_peak_kv_mb"] = self.stats.window_peak_kv_blocks * self.kv_block_bytes / 2**20
         return d
+
+    def reset_window(self) -> None:
+        """Start a new window for `window_peak_kv_mb` (rollout.signals.EngineWindow: one per step)."""
+        self.stats.window_peak_kv_blocks = self.blocks.num_used

@@ -1,5 +1,6 @@
-"""The last phase of every RL step: one metrics.jsonl row (rewards, lengths, throughput, the phases'
-metrics and timers), the held-out evaluation when due, the health alarms, a few samples for reading."""
+"""The last phase of every RL step: one metrics.jsonl row (rewards, lengths, throughput, the engine's
+signals of the step: engine/tokens_per_s, engine/kv_peak_frac, engine/preemptions, engine/batch_occupancy,
+the phases' metrics and timers), the held-out evaluation when due, the health alarms, a few samples."""
 
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ from posttrain.rollout.trajectory import Trajectory
 def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics: dict) -> dict:
     """Write step `step`'s row (merged with the phases' `metrics`) and act on alarms; -> the row logged."""
     cfg = run.cfg
+    engine = run.engine_window.take(run.engine)  # this step's generation
     if run.eval_hook is not None:  # held-out pass@1 with its interval, when due
         with run.timer("eval"):
-            metrics = {**metrics, **run.eval_hook.maybe(run.engine, step + 1, last=step + 1 == cfg.max_steps)}
+            held_out = run.eval_hook.maybe(run.engine, step + 1, last=step + 1 == cfg.max_steps)
+        # the evaluation's own generation, when one ran (eval/engine/*)
+        evaluated = run.engine_window.take(run.engine, "eval/engine/") if held_out else {}
+        metrics = {**metrics, **held_out, **evaluated}
     scored = [t.reward for t in trajs if t.reward is not None]
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     all_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
     run.measured.add_step(all_tokens, int(lengths.sum()))
+    timings = run.timer.pop()
+    run.measured.add_phases(timings)  # plan.json's phase_seconds
     row = merge_metrics(metrics, {
         "reward/mean": sum(scored) / len(scored) if scored else math.nan,
         "reward/std": float(torch.tensor(scored).std()) if len(scored) > 1 else math.nan,
@@ -31,7 +38,7 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
         "response_length/clipped_frac": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
         "samples": len(trajs), "tokens": all_tokens, "generated_tokens": int(lengths.sum()),
         "tokens_per_s": all_tokens / (time.perf_counter() - t0),
-    }, run.timer.pop())
+    }, engine, timings)
     fired = run.alarms.check(step + 1, row, [{"prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
                                               "reward": t.reward} for t in trajs])
     row.update(run.alarms.metrics(fired))

@@ -17,6 +17,7 @@ import math
 import torch
 
 from posttrain.algos import aggregate, dynamic_sampling, kl_estimate
+from posttrain.algos.adv_estimators import group_metrics
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
@@ -124,13 +125,26 @@ def assign_advantages(trajs: list[Trajectory], adv_fn, mask_truncated: bool) -> 
     scored = [t for t in trajs if t.reward is not None]
     for t in trajs:
         t.advantage, t.valid = 0.0, t.reward is not None and not (mask_truncated and t.finish_reason == "length")
-    if not scored or adv_fn is None:
+    if not scored:
         return {}
     rewards = torch.tensor([t.reward for t in scored], dtype=torch.float64)  # exact equality tests, no fp32 residue
-    adv, metrics = adv_fn(rewards, torch.tensor([t.group for t in scored]))
+    groups = torch.tensor([t.group for t in scored])
+    if adv_fn is None:  # PPO: its advantages come from GAE, the groups' reward health is the same signal
+        return ppo_group_metrics(rewards, groups)
+    adv, metrics = adv_fn(rewards, groups)
     for t, a in zip(scored, adv.tolist()):
         t.advantage = a
     return metrics
+
+
+def ppo_group_metrics(rewards: torch.Tensor, groups: torch.Tensor) -> dict:
+    """PPO's `groups/*`: all_pass_frac / all_fail_frac of each prompt's samples (one sample per prompt: the
+    pass and fail rates), and zero_adv_frac (groups whose rewards are all equal: no contrast within the
+    group) only where groups hold several samples (a group of one is always flat)."""
+    out = {k: v for k, v in group_metrics(rewards, groups, torch.zeros_like(rewards)).items() if k.startswith("groups/")}
+    if int(torch.unique(groups, return_counts=True)[1].max()) < 2:
+        out.pop("groups/zero_adv_frac")
+    return out
 
 
 # ---------------------------------------------------------------- forward

@@ -28,6 +28,7 @@ from posttrain.recipes.rl.drift import DriftProbe
 from posttrain.recipes.rl.phases import TokenMeans
 from posttrain.recipes.rl.ppo import Critic
 from posttrain.rewards.registry import ComposedReward
+from posttrain.rollout.signals import EngineWindow
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.rollout.types import Request, RequestOutput
 from posttrain.systems.dist import DistInfo
@@ -101,6 +102,7 @@ class RLRun:
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
     drift: DriftProbe | None = None  # KL to the start policy when no reference is held (β = 0)
+    engine_window: EngineWindow = field(default_factory=EngineWindow)  # the engine's counters at the last row
 
     @property
     def beta(self) -> float:

@@ -49,7 +49,7 @@ def rl_step(run: RLRun, step: int) -> dict:
             ph.reference_logps(run.ref, needed, cfg)
     if run.critic is not None:
         with timer("critic"):
-            adv_metrics = run.critic.advantages(run, batches)
+            adv_metrics = {**adv_metrics, **run.critic.advantages(run, batches)}  # keeps PPO's groups/*
     # 4. update (β = 0: the first step's samples become the KL-to-start probe before it)
     if run.drift is not None:
         run.drift.capture(run, trajs)

@@ -4,8 +4,10 @@
     wilson_interval(successes, n)      Wilson score interval of a binomial proportion (Wilson 1927)
     clustered_wilson(fractions, n)     Wilson with the effective sample size of clustered samples
     bootstrap_interval(values)         percentile bootstrap of the mean over items (seeded)
-    paired_bootstrap(a, b)             B − A: mean, percentile interval and a two-sided p-value
-    mcnemar_exact(b, c)                exact McNemar test of paired binary outcomes (two-sided binomial)
+    paired_bootstrap(a, b)             B − A over problems: mean, percentile interval and a two-sided p-value
+    sign_flip_test(d)                  paired randomization test over problems (exact for ≤ 16 nonzero)
+    mcnemar_exact(b, c)                exact McNemar test of paired binary outcomes (two-sided binomial):
+                                       over samples paired within problems, conditional on those problems
     bon_kl(N)                          KL(best-of-N ‖ base) ≤ log N − (N − 1)/N (from posttrain.plan.cost)
 
 Every interval takes `confidence` (0.95 = 95 %); z = Φ⁻¹(1 − α/2).
@@ -124,6 +126,31 @@ def paired_bootstrap(a, b, confidence: float = 0.95, resamples: int = 2000, seed
     extreme = int((np.abs(means - diff) >= abs(diff) - 1e-12).sum())
     return {"diff": diff, "low": float(low), "high": float(high), "p_value": (1 + extreme) / (resamples + 1),
             "resamples": resamples, "items": int(d.size)}
+
+
+def sign_flip_test(differences, resamples: int = 10000, seed: int = 0, exact_up_to: int = 16) -> dict:
+    """Paired randomization test over problems of "A and B are the same model": under H0 A's and B's
+    scores of a problem are exchangeable, so each problem's difference d_i is as likely as −d_i, and
+
+        p = P(|Σ s_i·d_i| ≥ |Σ d_i|),  s_i = ±1 independent fair signs       (Fisher 1935)
+
+    Problems are the unit, as in `paired_bootstrap`: the answer speaks for problems like these. Exact
+    (all 2^m' sign patterns of the m' nonzero differences) when m' ≤ `exact_up_to`, else Monte Carlo with
+    p = (1 + #{|Σ s·d| ≥ |Σ d|}) / (B + 1). 27 problems all +1: exact p = 2 / 2^27 = 1.5e-8."""
+    d = np.asarray(differences, dtype=np.float64)
+    d = d[d != 0]  # a zero difference is the same under either sign
+    m = d.size
+    observed = abs(float(d.sum()))
+    if m == 0:
+        return {"p_value": 1.0, "nonzero": 0, "method": "exact"}
+    if m <= exact_up_to:
+        signs = 1 - 2 * ((np.arange(2**m)[:, None] >> np.arange(m)[None, :]) & 1)  # (2^m, m) every ±1 pattern
+        sums = np.abs(signs @ d)
+        return {"p_value": float((sums >= observed - 1e-12).mean()), "nonzero": m, "method": "exact"}
+    rng = np.random.Generator(np.random.PCG64(seed))
+    signs = rng.integers(0, 2, size=(resamples, m)) * 2 - 1  # (B, m)
+    extreme = int((np.abs(signs @ d) >= observed - 1e-12).sum())
+    return {"p_value": (1 + extreme) / (resamples + 1), "nonzero": m, "method": f"monte carlo ({resamples})"}
 
 
 def mcnemar_exact(b: int, c: int) -> float:

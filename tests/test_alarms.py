@@ -272,3 +272,14 @@ def test_length_reward_needs_both_the_correlation_and_the_growth():
     assert run_stream(grow, s)[0] == {6: ["length_reward"], 7: ["length_reward"]}  # SAMPLES: longer earns more
     anti = [{**x, "reward": 1.0 - x["reward"]} for x in SAMPLES]  # shorter earns more: learning to be brief
     assert run_stream(grow, s, samples=anti)[0] == {}
+
+
+def test_eval_gap_also_compares_the_rises_since_the_first_evaluation():
+    """Held-out pass@1 starts above the training reward (other problems), then the training reward climbs
+    0.4 while pass@1 climbs 0.05: level gap 0.2 (under 0.3), rise gap 0.35 (over 0.25)."""
+    rows = [{**healthy(i), "reward/mean": 0.2} for i in range(1, 6)] + [{**healthy(i), "reward/mean": 0.6} for i in range(6, 11)]
+    rows[4]["eval/pass@1"], rows[9]["eval/pass@1"] = 0.35, 0.40
+    fired, printed, _ = run_stream(rows)
+    assert fired == {10: ["eval_gap"]} and "since the first evaluation" in printed[0]
+    rows[9]["eval/pass@1"] = 0.60  # held-out correctness rose with it: learning
+    assert run_stream(rows)[0] == {}

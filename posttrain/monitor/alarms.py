@@ -4,7 +4,8 @@ Every step the monitor reads the metrics row the RL step already logs (names in 
 and the step's samples, and raises an alarm when a curve leaves its healthy range:
 
     shaping_rise      what the non-verifier parts of a composed reward pay rose above its first steps
-    eval_gap          training reward (last steps) > held-out pass@1 under the trusted verifier + gap
+    eval_gap          training reward (last steps) > held-out pass@1 under the trusted verifier + gap, or risen
+                      more than pass@1 since the first evaluation
     length_reward     reward and length correlate within the step while the length grew past its start
     reward_jump       reward/mean > running mean + k·max(running std, floor)   (off by default)
     length_blowup     response_length/mean > f · running median
@@ -62,6 +63,8 @@ class AlarmSettings(Config):
                                        "(reward/mean − the verifiers' share) rose above its first steps' level")
     eval_gap: float | None = Field(0.3, gt=0, description="training reward/mean (mean of the last eval_gap_window steps) above "
                                    "the held-out eval/pass@1 (a trusted verifier) by more than this")
+    eval_rise_gap: float | None = Field(0.25, gt=0, description="eval_gap's second test: the training reward's rise since "
+                                        "the first evaluation beyond held-out pass@1's rise")
     eval_gap_window: int = Field(5, ge=1, description="steps of training reward averaged for eval_gap")
     length_reward_corr: float | None = Field(0.5, gt=0, le=1, description="within-step correlation of reward and completion "
                                              "length above this while the mean length grew past length_growth × its start")
@@ -253,17 +256,24 @@ def shaping_rise(s: AlarmSettings, row: dict, bands: dict, initial: dict):
 
 
 def eval_gap(s: AlarmSettings, row: dict, bands: dict, initial: dict):
-    """On an evaluation step: the training reward (mean of the last `eval_gap_window` steps) above the
-    held-out pass@1 under the trusted verifier by more than `eval_gap`: training pays what held-out
-    correctness does not show."""
-    held_out, band = row.get("eval/pass@1"), bands.get("reward/mean")
-    if s.eval_gap is None or held_out is None or row.get("reward/mean") is None:
+    """On an evaluation step, the training reward (`eval/train_reward`: mean of the last `eval_gap_window`
+    steps) against the held-out pass@1 under the trusted verifier: above it by more than `eval_gap`, or
+    risen since the first evaluation by more than `eval_rise_gap` beyond what pass@1 rose. Training pays
+    what held-out correctness does not show."""
+    held_out, train = row.get("eval/pass@1"), row.get("eval/train_reward")
+    if held_out is None or train is None:
         return None
-    recent = ([*band.values] if band is not None else [])[-(s.eval_gap_window - 1):] + [row["reward/mean"]]
-    train = statistics.fmean(recent)
-    if train - held_out > s.eval_gap:
-        return train - held_out, s.eval_gap, (f"training reward {train:.3g} (last {len(recent)} steps) vs held-out "
-                                              f"pass@1 {held_out:.3g}: a gap of {train - held_out:.3g} > {s.eval_gap:g}")
+    if s.eval_gap is not None and train - held_out > s.eval_gap:
+        return train - held_out, s.eval_gap, (f"training reward {train:.3g} (last steps) vs held-out pass@1 "
+                                              f"{held_out:.3g}: a gap of {train - held_out:.3g} > {s.eval_gap:g}")
+    first_train, first_eval = (initial.get("eval/train_reward") or [None])[0], (initial.get("eval/pass@1") or [None])[0]
+    if s.eval_rise_gap is None or first_train is None or first_eval is None:
+        return None
+    rise = (train - first_train) - (held_out - first_eval)
+    if rise > s.eval_rise_gap:
+        return rise, s.eval_rise_gap, (f"since the first evaluation the training reward rose {train - first_train:+.3g} "
+                                       f"({first_train:.3g} -> {train:.3g}) and held-out pass@1 {held_out - first_eval:+.3g} "
+                                       f"({first_eval:.3g} -> {held_out:.3g}): {rise:.3g} > {s.eval_rise_gap:g}")
     return None
 
 
@@ -323,7 +333,8 @@ CHECKS: dict[str, tuple[Check, str]] = {
 }
 NAMES = ("nonfinite", *CHECKS)
 TRACKED = ("reward/mean", "response_length/mean", "grad_norm")  # metrics with a running band
-INITIAL = ("entropy", "reward/shaping", "response_length/mean")  # metrics whose first warmup_steps values are kept
+INITIAL = ("entropy", "reward/shaping", "response_length/mean",  # metrics whose first warmup_steps values are kept
+           "eval/train_reward", "eval/pass@1")
 
 
 def as_number(value) -> float | None:
@@ -381,6 +392,9 @@ class AlarmMonitor:
         s, samples = self.settings, list(samples or [])
         numbers = {k: x for k, v in row.items() if (x := as_number(v)) is not None and math.isfinite(x)}
         numbers.update(derived(numbers, samples, self.verifiers))
+        if "eval/pass@1" in numbers and "reward/mean" in numbers:  # the training reward an evaluation is held against
+            recent = (self.history["reward/mean"] + [numbers["reward/mean"]])[-s.eval_gap_window:]
+            numbers["eval/train_reward"] = statistics.fmean(recent)
         fired: list[Alarm] = []
         if s.nonfinite:
             bad = nonfinite_keys(row, s.nonfinite_ignore)

@@ -13,8 +13,11 @@ import torch
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed here: make test-vllm (its own .venv-vllm)")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache per engine (vLLM's CPU default is 4)
+# no torch.compile warm-up (minutes on 2 cores): eager kernels, the same numbers
+os.environ.setdefault("POSTTRAIN_VLLM_ARGS", '{"enforce_eager": true}')
 
 from conftest import run_rl  # noqa: E402
+from posttrain.models.builtin import build_tiny  # noqa: E402
 from posttrain.models.loading import load_model, load_tokenizer  # noqa: E402
 from posttrain.ops.sampling import trainer_logprobs  # noqa: E402
 from posttrain.rollout.backends import build_backend  # noqa: E402
@@ -27,18 +30,28 @@ CFG = EngineConfig(max_num_seqs=16, max_model_len=128, kv_cache_mb=8, block_size
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
+def folder(tmp_path_factory):
+    """The tiny llama with head_dim 64 (vLLM's CPU attention has no head_dim 16 kernel, the tiny models' size:
+    'Unsupported CPU attention configuration: head_dim=16'), saved as a model folder with the tiny tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-hd64")
+    build_tiny("tiny-random", hidden_size=128, num_attention_heads=2, num_key_value_heads=1).save_pretrained(path)
+    load_tokenizer("tiny-random").save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
-def setup(tok):
+def tok(folder):
+    return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def setup(folder, tok):
     """(policy, its vLLM backend): vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0: one vLLM start-up
-    less), over a folder written from the in-memory model, as build_backend does for every recipe."""
+    less), built as every recipe builds it."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        model = load_model("tiny-random").eval()
-        backend = build_backend("vllm", model, tok, CFG, model_name="tiny-random", dtype="float32")
+        model = load_model(folder).eval()
+        backend = build_backend("vllm", model, tok, CFG, model_name=folder, dtype="float32")
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     assert isinstance(backend, VLLMBackend) and backend.name == "vllm"
@@ -92,7 +105,7 @@ def test_behaviour_logprobs_and_kept_sets_equal_trainer_recomputation(setup, par
     for p, o in zip(PROMPTS, vb.generate([Request(p, params) for p in PROMPTS])):
         assert len(o.samples) == 3
         for s in o.samples:
-            assert (s.kept_counts is None) == (not params.truncates(1024))
+            assert (s.kept_counts is None) == (not params.truncates(1024))  # the tiny vocabulary
             if params.top_k and params.top_p == 1:
                 assert set(s.kept_counts) == {params.top_k}  # top-k alone: the set is exactly k (no ties here)
             ref = recompute(model, p, s.token_ids, params, s.kept_counts)
@@ -100,11 +113,11 @@ def test_behaviour_logprobs_and_kept_sets_equal_trainer_recomputation(setup, par
     assert tokens > 100 and worst < 1e-4, worst
 
 
-def test_after_an_optimizer_step_vllm_samples_the_new_weights(setup, tok):
+def test_after_an_optimizer_step_vllm_samples_the_new_weights(setup, folder):
     model, vb = setup
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     before = [o.samples[0].token_ids for o in vb.generate([Request(p, greedy) for p in PROMPTS])]
-    policy = load_model("tiny-random", seed=0)
+    policy = load_model(folder)
     vb.source = policy  # the trainer's model
     opt = torch.optim.SGD(policy.parameters(), lr=5.0)
     ids = torch.tensor([PROMPTS[2]])
@@ -120,13 +133,13 @@ def test_after_an_optimizer_step_vllm_samples_the_new_weights(setup, tok):
     vb.sync_weights()  # back to the module's model for the other tests
 
 
-def test_rl_run_with_backend_vllm_keeps_trainer_and_sampler_consistent(tmp_path):
+def test_rl_run_with_backend_vllm_keeps_trainer_and_sampler_consistent(tmp_path, folder):
     """`posttrain rl backend=vllm` through build_backend: vLLM samples (top_p < 1, kept sets read off its log-probs),
     sync_weights after each optimizer step; the trainer's recomputation stays within posttrain's consistency alarm
     (dlogp_mean 0.2 nats) by orders of magnitude, on every step including those after updates."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
-        summary, out = run_rl(tmp_path, "backend=vllm", "max_steps=3", "top_p=0.9", "eval_every=0")
+        summary, out = run_rl(tmp_path, f"model={folder}", "backend=vllm", "max_steps=3", "sampling.top_p=0.9")
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -135,14 +148,10 @@ def test_rl_run_with_backend_vllm_keeps_trainer_and_sampler_consistent(tmp_path)
     assert all(r["consistency/dlogp_mean"] < 1e-5 for r in rows)
 
 
-def test_a_killed_vllm_engine_is_reported(tmp_path, tok):
+def test_a_killed_vllm_engine_is_reported(folder):
     """vLLM's default: the engine in its own process. Killing it mid-run makes the next call raise VLLMEngineDead
     naming the process and its exit code, not a hang or a bare ZMQ error."""
-    model = load_model("tiny-random").eval()
-    folder = tmp_path / "tiny"
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    vb = VLLMBackend(str(folder), dtype="float32", max_model_len=128)
+    vb = VLLMBackend(folder, dtype="float32", max_model_len=128)  # enforce_eager from POSTTRAIN_VLLM_ARGS
     try:
         assert vb.generate([Request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))])[0].ok
         (proc,) = vb.llm.llm_engine.engine_core.resources.engine_manager.processes

@@ -21,7 +21,7 @@ Without a source (generate, serve: nobody trains on the samples) kept_counts is 
 Weight updates (`sync_weights`, `update_weights`): vLLM's RL pattern, a method defined on a worker extension class
 (`worker_extension_cls`, rollout/vllm_worker.py) called by name through `LLM.collective_rpc`; only a file path
 crosses processes (no insecure serialization): a safetensors file of the HF-named state dict in /dev/shm, which the
-worker loads through the model's own `load_weights`; the prefix cache is reset after. LoRA policies push the merged
+worker loads through vLLM's in-place `reload_weights` (repacking redone); the prefix cache is reset after. LoRA policies push the merged
 weights (W + scale * B @ A). vLLM's native `weight_transfer_config` (NCCL / CUDA IPC) is CUDA-only and not used.
 
 Colocation: on CUDA (where vLLM's sleep mode exists) `colocate=True` frees vLLM's weights and KV cache between
@@ -72,9 +72,10 @@ class VLLMBackend:
             raise UserError(f"backend=vllm colocate=True needs vLLM's sleep mode, which {self.device} does not have "
                             "(CUDA only); leave colocate off")
         extra = {"gpu_memory_utilization": gpu_memory_utilization} if self.device == "cuda" else {}
+        extra.update(_env_args(), **llm_kwargs)
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
                             enable_prefix_caching=True, logprobs_mode=logprobs_mode, enable_sleep_mode=colocate,
-                            worker_extension_cls=WORKER_EXTENSION, **extra, **llm_kwargs)
+                            worker_extension_cls=WORKER_EXTENSION, **extra)
         self.model_path, self.logprobs_mode, self.colocate, self.asleep = str(model_path), logprobs_mode, colocate, False
         cfg = self.llm.llm_engine.model_config
         self.max_model_len, self.vocab_size = cfg.max_model_len, cfg.get_vocab_size()
@@ -94,12 +95,11 @@ class VLLMBackend:
         t0 = time.perf_counter()
         from safetensors.torch import save_file
 
-        self._wake(["weights"])
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        fd, path = tempfile.mkstemp(prefix="posttrain-weights-", suffix=".safetensors", dir=shm)
+        self._wake()
+        fd, path = tempfile.mkstemp(prefix="posttrain-weights-", suffix=".safetensors", dir=_shm(state_dict))
         os.close(fd)
         try:
-            save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, path)
+            save_file(_unshared(state_dict), path)
             self._call(lambda: self.llm.collective_rpc("posttrain_load_weights", args=(path,)), "loading weights")
         finally:
             os.unlink(path)
@@ -117,10 +117,10 @@ class VLLMBackend:
             self._call(lambda: self.llm.sleep(level=1), "going to sleep")
             self.asleep = True
 
-    def _wake(self, tags: list[str] | None = None) -> None:
+    def _wake(self) -> None:
         if self.asleep:
-            self._call(lambda: self.llm.wake_up(tags), "waking up")
-            self.asleep = tags is not None and set(tags) != {"weights", "kv_cache", "scheduling"}
+            self._call(self.llm.wake_up, "waking up")
+            self.asleep = False
 
     # ------------------------------------------------------------ generation
     def metrics(self) -> dict:
@@ -208,6 +208,42 @@ class VLLMBackend:
         shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if shutdown is not None:
             shutdown.shutdown()
+
+
+def _unshared(state_dict: dict) -> dict:
+    """CPU, contiguous tensors, a tensor that shares memory with an earlier one (tied embeddings) copied: safetensors
+    refuses shared storage."""
+    out, seen = {}, set()
+    for k, v in state_dict.items():
+        v = v.detach().to("cpu").contiguous()
+        out[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
+    return out
+
+
+def _shm(state_dict: dict) -> str | None:
+    """/dev/shm (memory) when it has room for twice the weights (containers often give it 64 MB), else the temp dir."""
+    import shutil
+
+    need = 2 * sum(v.numel() * v.element_size() for v in state_dict.values())
+    return "/dev/shm" if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need else None
+
+
+def _env_args() -> dict:
+    """Extra `vllm.LLM` arguments from POSTTRAIN_VLLM_ARGS (a JSON object, e.g. '{"enforce_eager": true}'), for every
+    path that builds the backend without a way to pass them (rl, rs, eval, ...)."""
+    import json
+
+    raw = os.environ.get("POSTTRAIN_VLLM_ARGS", "").strip()
+    if not raw:
+        return {}
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UserError(f"POSTTRAIN_VLLM_ARGS is not JSON ({e}): give an object of vllm.LLM arguments") from None
+    if not isinstance(args, dict):
+        raise UserError(f"POSTTRAIN_VLLM_ARGS must be a JSON object of vllm.LLM arguments (got {type(args).__name__})")
+    return args
 
 
 def _engine_exit(llm) -> str:

@@ -14,12 +14,14 @@ from __future__ import annotations
 class WeightSync:
     def posttrain_load_weights(self, path: str) -> int:
         """Load every tensor of the safetensors file at `path` (HF parameter names) into the running model through the
-        model's own `load_weights` (its name mapping, fused q/k/v and gate/up shards, tied embeddings). -> tensors read."""
+        worker's `reload_weights` (vLLM's in-place reload: the model's own name mapping, fused q/k/v and gate/up shards,
+        tied embeddings, and the kernel repacking done after loading, e.g. the CPU backend's packed linear weights, which
+        a plain `model.load_weights` would find emptied). -> tensors read."""
         from safetensors import safe_open
 
         with safe_open(path, framework="pt", device="cpu") as f:
             weights = [(name, f.get_tensor(name)) for name in f.keys()]
-        self.model_runner.model.load_weights(weights=weights)
+        self.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return len(weights)
 
     def posttrain_weight_sums(self) -> dict[str, float]:

@@ -53,3 +53,17 @@ def test_each_hack_is_flagged_within_5_steps_of_onset(name):
     fired = [step for step, names in replay(records, verifiers=verifiers(records)).items() if names]
     assert fired, f"{name}: no alarm (onset at step {start})"
     assert fired[0] <= start + 5, f"{name}: first alarm at step {fired[0]}, onset at step {start}"
+
+
+def test_on_alarm_stop_ends_the_token_hack_with_the_samples_that_carry_it():
+    from posttrain.monitor.alarms import AlarmMonitor, AlarmSettings, AlarmStop
+
+    records = load("hack_token")
+    monitor = AlarmMonitor(AlarmSettings(on_alarm="stop"), echo=lambda text: None, verifiers={"math": 1.0})
+    with pytest.raises(AlarmStop) as stop:
+        for r in records:
+            monitor.act(monitor.check(r["row"]["step"], r["row"], r["samples"]))
+    alarm = stop.value.alarms[0]
+    assert alarm.name == "shaping_rise" and alarm.step <= onset(records, HACK_TERM["hack_token"]) + 5
+    assert sum("numbers" in s["completion"] for s in alarm.samples) >= 2  # the top samples show the hack
+    assert "numbers" in str(stop.value)

@@ -186,6 +186,9 @@ def test_eval_env_writes_results_that_compare(tmp_path, capsys):
     doc = json.loads((tmp_path / "a" / "results.json").read_text())
     assert {"pass@1", "pass^2"} <= set(doc["metrics"])
     assert doc["agent"]["turns_histogram"] and "env_s" in doc["timing"] and "model_s" in doc["timing"]
+    t = doc["timing"]  # the engine over the episodes (rollout.signals): 2 problems x 2 episodes, <= 2 turns of <= 8 tokens
+    assert 4 <= t["engine/generated_tokens"] <= 2 * 2 * 2 * 8
+    assert t["engine/tokens_per_s"] > 0 and t["engine/preemptions"] == 0 and 0 < t["engine/kv_peak_frac"] <= 1
     assert doc["items"][0]["n"] == 2 and len(doc["items"][0]["correct"]) == 2
     assert "class=m1" in (tmp_path / "a" / "report.html").read_text()
     assert main(["eval", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0

@@ -154,3 +154,21 @@ def test_on_cuda_the_measured_memory_is_max_memory_allocated(monkeypatch):
     monkeypatch.undo()
     assert measure.Measured().as_dict()["memory_source"] == "peak RSS (VmHWM)"
     assert math.isfinite(measure.Measured().as_dict()["peak_rss_growth_bytes"])
+
+
+def test_an_evaluation_reports_its_own_engine_window(tmp_path, tiny_tok):
+    from posttrain.data.tasks import generate
+    from posttrain.eval.hook import evaluate
+    from posttrain.rewards.registry import load_file_reward
+    from posttrain.rollout.settings import SamplingSettings
+
+    (tmp_path / "even.py").write_text("def even(completions, **kw):\n    return [float(len(c) % 2 == 0) for c in completions]\n")
+    reward = load_file_reward(f"{tmp_path / 'even.py'}:even").fn
+    engine = Engine(load_model("tiny-random"), tiny_tok, EngineConfig(max_num_seqs=32, kv_cache_mb=16))
+    engine.generate([Request([5, 6, 7], SamplingParams(n=2, max_new_tokens=9, ignore_eos=True, seed=0))])  # earlier work
+    rows = generate("single_digit_add:all")[:6]
+    m = evaluate(engine, tiny_tok, rows, reward, n=4, sampling=SamplingSettings(max_new_tokens=5), seed=3)
+    generated = engine.stats.generated_tokens - 18  # the evaluation's tokens only
+    assert m["eval/engine/generated_tokens"] == generated > 0
+    assert m["eval/engine/tokens_per_s"] > 0 and m["eval/engine/preemptions"] == 0
+    assert 0 < m["eval/engine/kv_peak_frac"] < 1 and 0 < m["eval/engine/batch_occupancy"] <= 24 / 32

@@ -32,6 +32,7 @@ from posttrain.eval.report import metrics_table
 from posttrain.eval.results import print_metrics, summarize
 from posttrain.eval.runner import make_backend
 from posttrain.models.loading import load_tokenizer
+from posttrain.rollout import signals
 from posttrain.rollout.settings import SamplingSettings
 
 FORMAT = "posttrain.eval/1"
@@ -91,7 +92,9 @@ def run_agent_eval(cfg: AgentEvalConfig) -> dict:
     backend = make_backend(cfg, tok)
     load_s = time.perf_counter() - t0
     groups = new_episodes(agent.make_env, [r.data for r in rows], cfg.n, agent.fmt, cfg.seed)
+    engine_window = signals.start(backend)
     stats = run_episodes(backend, agent.fmt, groups, cfg.agent, cfg.sampling, tok)
+    engine = engine_window("engine/")  # tokens/s, KV occupancy, preemptions over the episodes
     values = [item_values([e.reward for e in g], cfg.threshold, ks) for g in groups]
     episodes = [e for g in groups for e in g]
     agent_metrics = {k.removeprefix("agent/"): v for k, v in episode_metrics(episodes, stats, cfg.threshold).items()}
@@ -113,7 +116,7 @@ def run_agent_eval(cfg: AgentEvalConfig) -> dict:
                      "finish_reasons": dict(Counter(e.finish_reason for e in episodes))},
            "counts": {"items": len(rows), "episodes": len(episodes)},
            "timing": {"model_load_s": load_s, "wall_s": stats.wall_s, "model_s": stats.model_s, "env_s": stats.env_s,
-                      "requests": stats.requests, "prefill_tokens": stats.prefill_tokens},
+                      "requests": stats.requests, "prefill_tokens": stats.prefill_tokens, **engine},
            "confidence": cfg.confidence,
            "items": [_item(i, r, g, v, cfg.threshold) for i, (r, g, v) in enumerate(zip(rows, groups, values))],
            "episodes": [render_episode(e, tok) for e in episodes[: cfg.report_samples]]}

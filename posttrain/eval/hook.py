@@ -89,6 +89,7 @@ def evaluate(engine, tok, rows, reward_fn, n: int = 4, sampling: SamplingSetting
                 [v[f"pass@{k}"] for v in values], confidence, 1000, seed)
     out["mean@n"] = sum(v["mean@n"] for v in values) / len(values)
     out["reward_errors"] = timing["reward_errors"]
+    out.update({k: v for k, v in timing.items() if k.startswith("engine/")})  # the evaluation's engine signals
     out["seconds"] = time.perf_counter() - t0
     return {prefix + k: v for k, v in out.items()}
 

@@ -24,6 +24,7 @@ from posttrain.data.formats import completion_text
 from posttrain.eval.metrics import cluster_answers, group_answers
 from posttrain.eval.prompts import Item
 from posttrain.rewards import extract
+from posttrain.rollout import signals
 from posttrain.rollout.cli import GenerateConfig
 from posttrain.rollout.cli import make_backend as generate_backend
 from posttrain.rollout.settings import SamplingSettings
@@ -190,6 +191,7 @@ def generate_and_score(backend, items: list[Item], reward_fn, sampling: Sampling
     requests = requests_for(items, sampling, n, seed)
     scorer = _Scorer(results, reward_fn, threshold, ex, pool)
     scorer.start()
+    engine_window = signals.start(backend)
     t0 = time.perf_counter()
     try:
         if isinstance(backend, Engine):
@@ -208,7 +210,7 @@ def generate_and_score(backend, items: list[Item], reward_fn, sampling: Sampling
     tokens = sum(len(s.token_ids) for o in outs for s in o.samples)
     timing = {"generate_s": t_gen, "wall_s": wall, "scoring_after_generation_s": wall - t_gen,
               "scoring_busy_s": scorer.busy_s, "generated_tokens": tokens, "tokens_per_s": tokens / wall if wall else 0.0,
-              "samples_per_s": len(items) * n / wall if wall else 0.0}
+              "samples_per_s": len(items) * n / wall if wall else 0.0, **engine_window("engine/")}
     return results, {**timing, **scorer.counts}
 
 

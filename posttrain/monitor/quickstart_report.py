@@ -80,6 +80,12 @@ def cost_table(plan: dict | None) -> str:
     rows = [("peak memory (GiB)", p.get("peak_bytes_estimate"), m.get("peak_rss_growth_bytes"), 2**30),
             ("tokens per step", p.get("tokens_per_step"), m.get("tokens_per_step"), 1),
             ("seconds per step", p.get("seconds_per_step"), m.get("seconds_per_step"), 1)]
+    steps, timers = m.get("steps") or 0, m.get("phase_seconds") or {}
+    for phase in p.get("phases") or []:  # the planner's phases beside the step timers that measure them
+        measured = {"generate": timers.get("generate"), "train": timers.get("update")}.get(phase["phase"])
+        if phase.get("seconds") is not None and steps:
+            rows.append((f"  {phase['phase']} seconds ({phase.get('bound', 'compute')}-bound)", phase["seconds"],
+                         measured / steps if measured is not None else None, 1))
     cells = []
     for name, pred, meas, unit in rows:
         ratio = f"{meas / pred:.2f}" if isinstance(pred, (int, float)) and pred and isinstance(meas, (int, float)) else "–"
@@ -87,8 +93,10 @@ def cost_table(plan: dict | None) -> str:
         cells.append(f"<tr><th>{name}</th><td>{shown[0]}</td><td>{shown[1]}</td><td>{ratio}</td></tr>")
     return ("<table><tr><th></th><th>predicted</th><th>measured</th><th>measured / predicted</th></tr>"
             + "".join(cells) + "</table><p class=muted>memory measured as peak RSS growth over the run "
-            "(see docs/planner.md); time = the step's FLOPs / (peak × MFU 0.4), the peak a matmul measured on "
-            "this CPU at the start (hardware=cpu); tokens counted at max_new_tokens per sample</p>")
+            "(see docs/planner.md); time: training at the matmul peak × MFU 0.4, decode at the roofline of the copy "
+            "bandwidth and the weights' matmul peak, both measured on this CPU (best of several trials, cached: "
+            "hardware=cpu); reward and eval time are not predicted; tokens counted at max_new_tokens per sample"
+            + "".join(f"<br>{html.escape(n)}" for n in plan.get("notes") or []) + "</p>")
 
 
 def alarms_html(summary: dict | None) -> str:

@@ -10,6 +10,8 @@
     ... generate ...
     row.update(window.take(backend, "engine/"))     # the counters since the last take
 
+    finish = start(backend); ... one evaluation ...; timing.update(finish("engine/"))
+
 A backend without some counters (the HF backend has no KV cache or scheduler) reports what it has.
 """
 
@@ -62,3 +64,16 @@ class EngineWindow:
         if reset is not None:
             reset()
         return {prefix + k: v for k, v in out.items()}
+
+
+def start(backend):
+    """Begin a window on `backend` (a snapshot of its counters, the KV peak reset); -> `finish(prefix)`, which
+    returns the window's signals. For one bounded piece of work: an evaluation, a batch of episodes."""
+    read = getattr(backend, "metrics", None)
+    if read is None:
+        return lambda prefix="engine/": {}
+    before = dict(read())
+    reset = getattr(backend, "reset_window", None)
+    if reset is not None:
+        reset()
+    return lambda prefix="engine/": {prefix + k: v for k, v in window(before, dict(read())).items()}

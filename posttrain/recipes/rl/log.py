@@ -20,10 +20,8 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
     engine = run.engine_window.take(run.engine)  # this step's generation
     if run.eval_hook is not None:  # held-out pass@1 with its interval, when due
         with run.timer("eval"):
-            held_out = run.eval_hook.maybe(run.engine, step + 1, last=step + 1 == cfg.max_steps)
-        # the evaluation's own generation, when one ran (eval/engine/*)
-        evaluated = run.engine_window.take(run.engine, "eval/engine/") if held_out else {}
-        metrics = {**metrics, **held_out, **evaluated}
+            metrics = {**metrics, **run.eval_hook.maybe(run.engine, step + 1, last=step + 1 == cfg.max_steps)}
+        run.engine_window.take(run.engine)  # the evaluation's generation is in its eval/engine/* keys, not the next step's
     scored = [t.reward for t in trajs if t.reward is not None]
     lengths = torch.tensor([len(t.response_ids) for t in trajs], dtype=torch.float32)
     all_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in trajs)

@@ -17,8 +17,6 @@ A backend without some counters (the HF backend has no KV cache or scheduler) re
 
 from __future__ import annotations
 
-import math
-
 
 def window(before: dict, after: dict) -> dict:
     """The window's signals from two snapshots of the cumulative counters (EngineStats.as_dict + kv_*)."""
@@ -32,13 +30,15 @@ def window(before: dict, after: dict) -> dict:
     if generated is not None:
         out["generated_tokens"] = generated
         busy = (decode_s or 0.0) + (prefill_s or 0.0)
-        out["tokens_per_s"] = generated / busy if busy > 0 else math.nan
-    if decode_s is not None and prefill_s is not None:
-        out["decode_tokens_per_s"] = generated / decode_s if decode_s and generated is not None else math.nan
+        if busy > 0:  # a window without generation time has no rate (absent, not NaN: not measured)
+            out["tokens_per_s"] = generated / busy
+    if decode_s and prefill_s is not None and generated is not None:  # max_new_tokens=1: no decode step at all
+        out["decode_tokens_per_s"] = generated / decode_s
     steps = delta("decode_steps")
     if steps is not None and "batch_occupancy" in after:  # occupancy sum = mean occupancy × decode steps
         summed = after["batch_occupancy"] * after["decode_steps"] - before.get("batch_occupancy", 0.0) * before.get("decode_steps", 0)
-        out["batch_occupancy"] = summed / steps if steps > 0 else math.nan
+        if steps > 0:
+            out["batch_occupancy"] = summed / steps
     if after.get("kv_capacity_mb") and "window_peak_kv_mb" in after:
         out["kv_peak_frac"] = after["window_peak_kv_mb"] / after["kv_capacity_mb"]
     preempted = delta("preemptions")

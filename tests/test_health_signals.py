@@ -172,3 +172,17 @@ def test_an_evaluation_reports_its_own_engine_window(tmp_path, tiny_tok):
     assert m["eval/engine/generated_tokens"] == generated > 0
     assert m["eval/engine/tokens_per_s"] > 0 and m["eval/engine/preemptions"] == 0
     assert 0 < m["eval/engine/kv_peak_frac"] < 1 and 0 < m["eval/engine/batch_occupancy"] <= 24 / 32
+
+
+def test_seconds_per_step_leave_the_set_up_out():
+    m = measure.Measured()
+    m.step_ends = []
+    m.add_step(10)
+    m.step_ends[-1] = 100.0  # steps end at 100, 103, 109: steady 4.5 s per step, whatever came before step 1
+    m.add_step(10)
+    m.step_ends[-1] = 103.0
+    m.add_step(10)
+    m.step_ends[-1] = 109.0
+    d = m.as_dict()
+    assert d["seconds_per_step"] == 4.5 and d["seconds_per_step_with_setup"] == pytest.approx(d["seconds"] / 3)
+    assert measure.steady_step_seconds([5.0]) is None

@@ -101,12 +101,14 @@ class Measured:
         self.tokens = 0
         self.generated_tokens = 0
         self.phase_seconds: dict[str, float] = {}
+        self.step_ends: list[float] = []  # perf_counter at each add_step: the steady-state step time
 
     def add_step(self, tokens: int, generated_tokens: int = 0) -> None:
         """Count one optimizer step: tokens through the trained model, and how many of them were generated."""
         if tokens < 0 or generated_tokens < 0:
             raise ValueError("token counts must be ≥ 0")
         self.steps += 1
+        self.step_ends.append(time.perf_counter())
         self.tokens += int(tokens)
         self.generated_tokens += int(generated_tokens)
 
@@ -136,7 +138,9 @@ class Measured:
             "generated_tokens": self.generated_tokens,
             "tokens_per_step": self.tokens / self.steps if self.steps else None,
             "seconds": seconds,
-            "seconds_per_step": seconds / self.steps if self.steps else None,
+            # from the second step on (model load, planning, the first step's one-time costs left out); one step: all
+            "seconds_per_step": steady_step_seconds(self.step_ends) or (seconds / self.steps if self.steps else None),
+            "seconds_per_step_with_setup": seconds / self.steps if self.steps else None,
             "tokens_per_second": self.tokens / seconds if seconds > 0 else None,
             "phase_seconds": dict(self.phase_seconds),
             "rss_start_bytes": self.rss_start,
@@ -157,6 +161,13 @@ class Measured:
             if peak_flops:
                 out["mfu"] = out["achieved_flops_per_second"] / peak_flops
         return out
+
+
+def steady_step_seconds(step_ends: list[float]) -> float | None:
+    """Mean seconds between consecutive step ends (steps 2..N); None with fewer than two steps."""
+    if len(step_ends) < 2:
+        return None
+    return (step_ends[-1] - step_ends[0]) / (len(step_ends) - 1)
 
 
 def write_plan(run_dir: str | Path, prediction: dict) -> Path:

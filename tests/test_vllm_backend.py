@@ -24,6 +24,7 @@ from posttrain.rollout.backends import build_backend  # noqa: E402
 from posttrain.rollout.engine import Engine, EngineConfig  # noqa: E402
 from posttrain.rollout.types import Request, SamplingParams  # noqa: E402
 from posttrain.rollout.vllm_backend import VLLMBackend, VLLMEngineDead  # noqa: E402
+from test_rl_recipe import space_share  # noqa: E402, F401  (registers the reward run_rl uses)
 
 PROMPTS = [[5, 6, 7], list(range(10, 27)), list(range(100, 140)), [900, 3, 44, 17, 8, 250, 9, 11, 64]]
 CFG = EngineConfig(max_num_seqs=16, max_model_len=128, kv_cache_mb=8, block_size=8, seed=0)
@@ -151,7 +152,14 @@ def test_rl_run_with_backend_vllm_keeps_trainer_and_sampler_consistent(tmp_path,
 def test_a_killed_vllm_engine_is_reported(folder):
     """vLLM's default: the engine in its own process. Killing it mid-run makes the next call raise VLLMEngineDead
     naming the process and its exit code, not a hang or a bare ZMQ error."""
-    vb = VLLMBackend(folder, dtype="float32", max_model_len=128)  # enforce_eager from POSTTRAIN_VLLM_ARGS
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # an engine built earlier in this process froze VLLM_ENABLE_V1_MULTIPROCESSING=0
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        vb = VLLMBackend(folder, dtype="float32", max_model_len=128)  # enforce_eager from POSTTRAIN_VLLM_ARGS
+    finally:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     try:
         assert vb.generate([Request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))])[0].ok
         (proc,) = vb.llm.llm_engine.engine_core.resources.engine_manager.processes

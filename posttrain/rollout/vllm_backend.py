@@ -195,13 +195,19 @@ class VLLMBackend:
         """fn(), with a dead engine reported as VLLMEngineDead naming the process and what was being done."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        def dead():
+            return VLLMEngineDead(f"backend=vllm: the vLLM engine process died while {what} ({self.model_path}); "
+                                  f"{_engine_exit(self.llm)}. Its log above has the cause (out of memory, a killed "
+                                  "process, a kernel crash); this backend cannot continue: rerun (training runs resume "
+                                  "from their last checkpoint)")
+
+        # checked first: vLLM's client, asked to generate after its engine died between calls, can wait forever
+        if any(p.exitcode is not None for p in _engine_procs(self.llm)):
+            raise dead()
         try:
             return fn()
         except EngineDeadError as e:
-            raise VLLMEngineDead(f"backend=vllm: the vLLM engine process died while {what} ({self.model_path}); "
-                                 f"{_engine_exit(self.llm)}. Its log above has the cause (out of memory, a killed "
-                                 "process, a kernel crash); this backend cannot continue: rerun (training runs resume "
-                                 "from their last checkpoint)") from e
+            raise dead() from e
 
     def close(self) -> None:
         """Stop vLLM's engine process."""
@@ -246,13 +252,18 @@ def _env_args() -> dict:
     return args
 
 
+def _engine_procs(llm) -> list:
+    """vLLM's EngineCore processes (multiprocessing.Process), [] when the engine runs in this process."""
+    try:
+        return list(llm.llm_engine.engine_core.resources.engine_manager.processes)
+    except AttributeError:
+        return []
+
+
 def _engine_exit(llm) -> str:
     """'EngineCore pid N exited with code C' where vLLM's client still knows its process, else a plain note."""
-    try:
-        procs = llm.llm_engine.engine_core.resources.engine_manager.processes
-        return "; ".join(f"EngineCore pid {p.pid} exited with code {p.exitcode}" for p in procs)
-    except AttributeError:
-        return "its EngineCore is gone"
+    procs = [p for p in _engine_procs(llm) if p.exitcode is not None]
+    return "; ".join(f"EngineCore pid {p.pid} exited with code {p.exitcode}" for p in procs) or "its EngineCore is gone"
 
 
 def _token_logprob(entries: dict, token: int, k: int) -> TokenLogprob:

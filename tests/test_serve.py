@@ -143,24 +143,27 @@ def test_limits_stops_and_errors(served):
     assert health["status"] == "ok" and health["requests_served"] > 0
 
 
+class ExplodingEngine:
+    """An engine whose step raises: what a crash inside generation looks like to the server."""
+
+    @staticmethod
+    def has_work():
+        return True
+
+    def add_request(self, request, index=0):
+        class S:
+            remaining = 1
+        return S()
+
+    def step(self):
+        raise RuntimeError("boom")
+
+
 def test_a_broken_engine_fails_its_callers_not_the_server(served):
     """An exception inside the engine reaches every waiting caller as a 503; later calls are refused."""
     from posttrain.rollout.serve import EngineWorker
 
-    class Exploding:
-        @staticmethod
-        def has_work():
-            return True
-
-        def add_request(self, request, index=0):
-            class S:
-                remaining = 1
-            return S()
-
-        def step(self):
-            raise RuntimeError("boom")
-
-    w = EngineWorker(Exploding())
+    w = EngineWorker(ExplodingEngine())
     app = make_app(w, served[2], "x")
     with ServerThread(app) as srv:
         r = httpx.post(srv.base_url + "/completions", json={"prompt": "hi"}, timeout=30)

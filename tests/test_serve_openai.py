@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from posttrain.rollout.serve import EngineWorker, ServeConfig, ServerThread, build_worker, make_app
+from test_serve import ExplodingEngine
 
 openai = pytest.importorskip("openai", reason="the openai SDK is not installed: pip install -e '.[dev]'")
 
@@ -287,20 +288,7 @@ def test_hermes_tool_calls_are_parsed(tmp_path):
 
 
 def test_a_failing_engine_ends_the_stream_with_an_error(served):
-    class Exploding:
-        @staticmethod
-        def has_work():
-            return True
-
-        def add_request(self, request, index=0):
-            class S:
-                remaining = 1
-            return S()
-
-        def step(self):
-            raise RuntimeError("boom")
-
-    w = EngineWorker(Exploding())
+    w = EngineWorker(ExplodingEngine())
     try:
         with ServerThread(make_app(w, served[2], "x")) as srv:
             client = openai.OpenAI(base_url=srv.base_url, api_key="none", max_retries=0, timeout=30)

@@ -68,3 +68,11 @@ def fake(server):
     fake.seen.clear()
     fake.base_url = srv.base_url
     return fake
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """The CLI fuzz suite's shared inputs and finished runs (tests/edges.py)."""
+    from edges import Workspace
+
+    return Workspace(tmp_path_factory.mktemp("edges"))

@@ -170,10 +170,10 @@ def check_text_field(row: Row, field: str, need_assistant: bool = False) -> None
     raise row.error(field, f"must be a string or a list of messages, got {type(value).__name__}")
 
 
-def validate(rows: list[Row], allowed: tuple[str, ...] | None = None) -> str:
+def validate(rows: list[Row], allowed: tuple[str, ...] | None = None, source: str = "data") -> str:
     """Check every row; all rows must share one format (returned). `allowed` limits the formats."""
     if not rows:
-        raise UserError("the dataset is empty")
+        raise UserError(f"{source}: the dataset is empty (no rows): give a file with at least one row")
     fmt = detect_format(rows[0], allowed)
     keys = FORMATS[fmt]
     for row in rows:
@@ -190,7 +190,7 @@ def validate(rows: list[Row], allowed: tuple[str, ...] | None = None) -> str:
 
 def load(source: str | Path, allowed: tuple[str, ...] | None = None, seed: int = 0) -> tuple[list[Row], str]:
     rows = read_rows(source, seed)
-    return rows, validate(rows, allowed)
+    return rows, validate(rows, allowed, str(source))
 
 
 def completion_text(completion: Any) -> str:

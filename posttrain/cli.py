@@ -1,5 +1,9 @@
 """`posttrain <command> [--config FILE] key=value | --key value ...` — thin: parse, build config, call a recipe.
 
+A UserError / ConfigError prints one `error:` line and exits 2 (`--debug` or POSTTRAIN_DEBUG=1: its traceback too);
+Ctrl-C prints one line naming the checkpoints kept and how to resume, and exits 130; any other exception keeps its
+traceback (a bug to fix, never hidden).
+
 Each command lives in its own module as `main(argv: list[str]) -> None`; this file only routes, so
 adding a command is one line in COMMANDS and never touches another command's code.
 """
@@ -7,7 +11,10 @@ adding a command is one line in COMMANDS and never touches another command's cod
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
+from pathlib import Path
 
 from posttrain.errors import UserError
 
@@ -56,17 +63,50 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean '{close[0]}'?" if close else ""
         print(f"error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
         return 2
+    debug = "--debug" in rest or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    rest = [a for a in rest if a != "--debug"]
     target, _ = COMMANDS[name]
     module, func = target.split(":")
     fn = getattr(importlib.import_module(module), func)
+    _run_dir(clear=True)
     try:
         result = fn(rest)
     except (ConfigError, UserError) as e:
+        if debug:
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line on what is kept and how to go on (--debug: the traceback too)
+        if debug:
+            traceback.print_exc()
+        print(f"interrupted: {interrupted_note(name, _run_dir())}", file=sys.stderr)
+        return 130
     finally:
         _close_process_group()
     return int(result or 0)
+
+
+def _run_dir(clear: bool = False) -> Path | None:
+    """The run directory the command opened (training/run.py setup_run notes it), if it got that far."""
+    run = sys.modules.get("posttrain.training.run")  # not imported: no training run was started
+    if run is None:
+        return None
+    if clear:
+        run.CURRENT.clear()
+    return run.CURRENT.get("run_dir")
+
+
+def interrupted_note(command: str, run_dir: Path | None) -> str:
+    """What an interrupted command left: the newest complete checkpoint and the resume command."""
+    if run_dir is None:
+        return f"posttrain {command} stopped before it wrote anything to keep; run it again to start over"
+    steps = sorted(int(p.parent.name.split("-")[1]) for p in run_dir.glob("checkpoints/step-*/state.json")
+                   if p.parent.name.split("-")[1].isdigit())
+    if not steps:
+        return (f"no checkpoint was saved in {run_dir} yet (save_every sets how often); run the same command "
+                "again to start over")
+    return (f"the checkpoints in {run_dir}/checkpoints are intact (newest: step-{steps[-1]}); continue with the "
+            "same command and resume=true")
 
 
 def _close_process_group() -> None:

@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 class Config(BaseModel):
     """Base of every config: unknown keys are refused, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    # allow_inf_nan=False: `lr=.inf` or `beta=nan` is refused where it is parsed, not found by the report later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(), allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- report_to (the sinks themselves: monitor/sinks.py)
@@ -283,6 +284,11 @@ def _suggest(key: str, keys: list[str]) -> str:
 def _check_keys(cls: type[BaseModel], data: dict, source: str, prefix: str = "") -> None:
     keys = all_keys(cls)
     for name, value in data.items():
+        if not isinstance(name, str):  # YAML reads `1:`, `true:` or `2024-01-01:` as a number, bool or date
+            where = f"under '{prefix[:-1]}'" if prefix else "at the top level"
+            raise ConfigError(f"{source}: key {name!r} {where} was read by YAML as {_a(type(name).__name__)}, not a "
+                              f"key name: keys are names such as "
+                              f"{', '.join(keys[:3])} (--help lists them)")
         field = cls.model_fields.get(name)
         if field is None:
             raise ConfigError(f"{source}: unknown key '{prefix + name}'{_suggest(prefix + name, keys)}")
@@ -341,8 +347,55 @@ def build(cls: type[BaseModel], data: dict, source: str = "config") -> Any:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             got = err.get("input")
-            msgs.append(f"{source}: {loc}: {err['msg']} (got {got!r})")
+            msgs.append(f"{source}: {loc}: {err['msg']} (got {got!r}){_quote_hint(err, loc)}")
         raise ConfigError("\n".join(msgs)) from None
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
+def _quote_hint(err: dict, loc: str) -> str:
+    """'; quote it ...' when a text key got a number, bool, date or mapping because YAML read it so."""
+    got = err.get("input")
+    if err.get("type") != "string_type" or isinstance(got, (str, list)) or got is None:
+        return ""
+    shown = "{...}" if isinstance(got, dict) else got
+    return (f"; YAML read the value as {_a(type(got).__name__)}: quote it to keep the text "
+            f"({loc}: '{shown}' in a YAML file)")
+
+
+def _field(cls: type[BaseModel], key: str) -> Any:
+    """The pydantic field of dotted `key` in `cls` (None: not a leaf key)."""
+    model: Any = cls
+    parts = key.split(".")
+    for part in parts[:-1]:
+        field = model.model_fields.get(part) if model is not None else None
+        model = _nested_model(field.annotation) if field is not None else None
+    return model.model_fields.get(parts[-1]) if model is not None else None
+
+
+def _is_text(cls: type[BaseModel], key: str) -> bool:
+    """Whether `key` is a plain text field (str, or str | None): its command-line value is kept as written."""
+    field = _field(cls, key)
+    if field is None:
+        return False
+    tp = field.annotation
+    return tp is str or (get_origin(tp) is not None and set(get_args(tp)) == {str, type(None)})
+
+
+def _text_value(text: str, optional: bool) -> Any:
+    """A str key's `key=value` text as the user meant it: `output_dir=2024` stays '2024' and `system_prompt=Be
+    brief: x` stays text (YAML would read a number and a mapping); a YAML-quoted value loses its quotes; `null`
+    is None where the key allows it."""
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+        parsed = _parse_value(stripped)
+        if isinstance(parsed, str):
+            return parsed
+    if optional and stripped in ("null", "~", "None"):
+        return None
+    return text
 
 
 def _resolve_key(key: str, keys: list[str]) -> str:
@@ -368,12 +421,7 @@ BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 
 def _is_bool(cls: type[BaseModel], key: str) -> bool:
     """Whether the dotted `key` of `cls` is a bool (or an optional bool) field."""
-    model: Any = cls
-    parts = key.split(".")
-    for part in parts[:-1]:
-        field = model.model_fields.get(part) if model is not None else None
-        model = _nested_model(field.annotation) if field is not None else None
-    field = model.model_fields.get(parts[-1]) if model is not None else None
+    field = _field(cls, key)
     return field is not None and (field.annotation is bool or bool in get_args(field.annotation))
 
 
@@ -449,12 +497,17 @@ def parse_args(cls: type[BaseModel], argv: list[str], prog: str = "posttrain") -
             loaded = load_yaml(path)
             _check_keys(cls, loaded, str(path))
             data = _deep_merge(data, loaded)
-        else:  # key=value (split_args wrote every other form this way)
+        else:  # key=value (split_args wrote every other form this way); the value is parsed once its key is known
             key, value = arg.split("=", 1)
-            overrides.append((key.strip(), _parse_value(value)))
+            overrides.append((key.strip(), value))
     keys = all_keys(cls)
-    for key, value in overrides:
-        _set_dotted(data, _resolve_key(key, keys), value)
+    for key, text in overrides:
+        full = _resolve_key(key, keys)
+        if _is_text(cls, full):
+            value = _text_value(text, optional=_field(cls, full).annotation is not str)
+        else:
+            value = _parse_value(text)
+        _set_dotted(data, full, value)
     return build(cls, data)
 
 

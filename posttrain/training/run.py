@@ -14,11 +14,15 @@ from posttrain.config import save_yaml
 from posttrain.errors import UserError
 from posttrain.systems.dist import init_from_env
 
+# the run directory of the run in progress in this process (the CLI names it when the run is interrupted)
+CURRENT: dict[str, Path] = {}
+
 
 def setup_run(cfg, resume: bool, write: bool = True) -> Path:
     """Create output_dir (when `write`: rank 0 of a sharded run); refuse to overwrite a finished run unless
     resuming (on every rank)."""
     out = Path(cfg.output_dir)
+    CURRENT["run_dir"] = out
     if out.exists() and not resume and any(out.glob("checkpoints/step-*")):
         raise UserError(f"{out} already holds a run with checkpoints: pass resume=true, or choose another output_dir")
     if write:

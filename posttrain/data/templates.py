@@ -64,8 +64,8 @@ def conversation_segments(tok, messages: list[dict], train_turns: set[int] | Non
     for i in sorted(train_turns):
         if messages[i]["role"] != "assistant":
             raise TemplateError(f"message {i} is a {messages[i]['role']} turn; only assistant turns can be trained")
-        before = _render(tok, messages[:i], add_generation_prompt=True, **kw)
         upto = _render(tok, messages[: i + 1], **kw)
+        before = _render(tok, messages[:i], add_generation_prompt=True, **kw) if i else _opening(tok, upto, **kw)
         if not upto.startswith(before) or not full.startswith(upto):
             raise TemplateError(
                 f"the chat template does not render turn {i} as a prefix of the conversation "
@@ -80,6 +80,22 @@ def conversation_segments(tok, messages: list[dict], train_turns: set[int] | Non
         cursor = end
     segments.append((full[cursor:], False))
     return [(t, m) for t, m in segments if t]
+
+
+def _opening(tok, upto: str, **kw) -> str:
+    """`before` for an assistant turn that opens the conversation (a greeting): templates refuse to render no
+    messages, so the assistant header is found as what the generation prompt adds after a user turn,
+        header = template([user], add_generation_prompt=True)[len(template([user])):]
+    and `before` is the rendered turn up to and including its first header (a default system prompt the template
+    puts first stays before it, untrained)."""
+    probe = [{"role": "user", "content": "x"}]
+    plain = _render(tok, probe, **kw)
+    header = _render(tok, probe, add_generation_prompt=True, **kw)[len(plain):]
+    at = upto.find(header) if header.strip() else -1
+    if at < 0:
+        raise TemplateError("the conversation starts with an assistant turn and the chat template has no assistant "
+                            "header to find in it: start it with a user (or system) turn")
+    return upto[: at + len(header)]
 
 
 def render_messages(tok, messages: list[dict], train_turns: set[int] | None = None, **kw) -> Tokenized:

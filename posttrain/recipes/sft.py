@@ -302,7 +302,7 @@ def setup(cfg: SFTConfig) -> SFTRun:
     state = life.restore(model, optimizer, scheduler)
     run.summary = state.get("summary", {})
     if state:
-        run.sampler.load(state["sampler"])
+        run.sampler.load(state["sampler"], cfg.data)
     elif cfg.forgetting_probe:
         run.summary["probe_loss_before"] = mean_nll(model, probe_samples(tok), tok.pad_token_id, cfg, info)
     if life.main:
@@ -400,8 +400,10 @@ def no_eval_reason(cfg: SFTConfig, train_samples: int) -> str:
         return f"eval_data={cfg.eval_data} gave no samples within max_length={cfg.max_length}"
     if cfg.eval_fraction == 0:
         return "eval_fraction=0 (set eval_data=FILE or eval_fraction>0 for an eval loss)"
+    if train_samples < 2:  # one row cannot be split: eval_fraction < 1
+        return f"the data is too small: {train_samples} row cannot be split (set eval_data=FILE for an eval loss)"
     return (f"the data is too small: eval_fraction={cfg.eval_fraction:g} of {train_samples} rows rounds down to none "
-            f"(set eval_data=FILE, or an eval_fraction of at least {1 / max(train_samples, 1):.2g})")
+            f"(set eval_data=FILE, or an eval_fraction of at least {1 / train_samples:.2g})")
 
 
 def plan_run(cfg: SFTConfig, model, units: list[list[Tokenized]], sampler: EpochSampler, steps: int,

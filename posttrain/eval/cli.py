@@ -26,6 +26,7 @@ from posttrain.eval.prompts import build_items, check_columns, few_shot_messages
 from posttrain.eval.report import write_eval_report
 from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize
 from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend, template_file
+from posttrain.eval.selection import EvalSelection, print_selection
 from posttrain.models.loading import load_tokenizer
 from posttrain.rewards.pool import default_pool
 
@@ -69,16 +70,18 @@ def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: lis
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate; write results.json and report.html; return the results."""
     items, reward_fn, spec, ex, shots, tok = prepare(cfg)
+    pool = default_pool(cfg.workers)
+    selection = EvalSelection(cfg, items, reward_fn, ex, pool) if cfg.select else None  # refused before the model loads
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     proto = make_protocol(cfg, items, spec, ex, shots, tok)
-    pool = default_pool(cfg.workers)
     t_load = time.perf_counter()
     backend = make_backend(cfg, tok)
     proto["backend"] = getattr(backend, "name", cfg.backend)  # what `auto` picked
     load_s = time.perf_counter() - t_load
     results, timing = generate_and_score(backend, items, reward_fn, cfg.sampling, cfg.n, cfg.seed, cfg.threshold, ex, pool)
     values = [item_values(r, cfg.n, cfg.ks, ex is not None, cfg.max_subsets, cfg.seed) for r in results]
+    records = selection.apply(results, values) if selection else None  # bon@k | maj@k per problem
     summary = summarize(values, cfg.n, cfg.confidence, cfg.bootstrap, cfg.seed)
     counts = {"items": len(items), "samples": len(items) * cfg.n, "refused": sum(1 for r in results if r.error),
               "reward_errors": timing.pop("reward_errors"), "cluster_fallbacks": timing.pop("cluster_fallbacks"),
@@ -86,6 +89,10 @@ def run_eval(cfg: EvalConfig) -> dict:
     doc = {"format": FORMAT, "protocol": proto, "metrics": summary, "curve": curve(summary, cfg.ks), "counts": counts,
            "timing": {"model_load_s": load_s, **timing}, "confidence": cfg.confidence,
            "items": [item_record(r, v, cfg.save_samples) for r, v in zip(results, values)]}
+    if selection:
+        doc["selection"] = selection.report(summary)
+        for rec, extra in zip(doc["items"], records):
+            rec["selection"] = extra
     (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False))
     write_eval_report(out, doc, cfg.report_samples)
     return doc
@@ -98,6 +105,8 @@ def print_summary(doc: dict, out_dir: str) -> None:
     t = doc["timing"]
     print(f"  {t['generated_tokens']} tokens in {t['wall_s']:.2f} s = {t['tokens_per_s']:.1f} tokens/s "
           f"(generation {t['generate_s']:.2f} s, scoring after it {t['scoring_after_generation_s']:.2f} s)")
+    if "selection" in doc:
+        print_selection(doc["selection"], round(100 * doc["confidence"]))
     for key in ("refused", "reward_errors", "cluster_fallbacks"):
         if c[key]:
             print(f"  warning: {c[key]} {key.replace('_', ' ')} (see results.json)")

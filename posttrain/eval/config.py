@@ -78,6 +78,10 @@ class EvalConfig(Config):
     kv_cache_mb: float = Field(1024, gt=0, description="builtin: KV cache size in MiB")
     report_samples: int = Field(3, ge=0, description="problems whose samples are shown in report.html")
     save_samples: bool = Field(True, description="keep every sample's text in results.json (false: outcomes only)")
+    select: str = Field("", description="test-time selection among the first k samples, for every k: best_of_n (bon@k) | majority (maj@k), "
+                                        "accuracy of the kept answer with its interval and its cost in generated tokens; '' = off")
+    select_reward: str = Field("", description="select=best_of_n: the reward that ranks (rm:PATH, a file reward…); '' = the verifier "
+                                               "(reward=), which sees the reference: an oracle, pass@k-like")
 
     @field_validator("k", mode="before")
     @classmethod
@@ -89,6 +93,10 @@ class EvalConfig(Config):
         too_big = [k for k in self.k if k > self.n]
         if too_big:
             raise ValueError(f"k={too_big} > n={self.n}: pass@k needs at least k samples per problem (raise n)")
+        if self.select and self.select not in ("best_of_n", "majority"):
+            raise ValueError(f"select='{self.select}' is not a selection method (known: best_of_n, majority; '' = off)")
+        if self.select_reward and self.select != "best_of_n":
+            raise ValueError("select_reward= ranks samples for select=best_of_n only (majority votes with reward='s extraction)")
         return self
 
     @property

@@ -26,6 +26,8 @@ import math
 import random
 from collections import Counter
 
+from posttrain.rewards.answers import cluster_answers, group_answers  # noqa: F401 - re-exported (defined with the extraction)
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021, "Evaluating Large Language
@@ -99,30 +101,3 @@ def cons_at_k(classes: list[int | None], correct: list[bool], k: int, max_subset
         subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
     scores = [majority_vote([classes[j] for j in s], good) for s in subsets]
     return sum(scores) / len(scores)
-
-
-def group_answers(answers: list[str | None], same) -> list[int | None]:
-    """Class id per answer: each answer joins the first earlier class whose representative `same(rep,
-    answer)` accepts (greedy, in order; identical strings are compared once). None stays None."""
-    reps: list[str] = []
-    memo: dict[str, int] = {}
-    out: list[int | None] = []
-    for a in answers:
-        if a is None:
-            out.append(None)
-            continue
-        if a not in memo:
-            memo[a] = next((i for i, r in enumerate(reps) if r == a or same(r, a)), len(reps))
-            if memo[a] == len(reps):
-                reps.append(a)
-        out.append(memo[a])
-    return out
-
-
-def cluster_answers(answers: list[str | None], use_math_verify: bool = True) -> list[int | None]:
-    """Pool-worker task: answer classes under the math verifier's equivalence (unbounded in time,
-    like the verifier itself: run it through `posttrain.rewards.pool`)."""
-    from posttrain.rewards.math import _norm, equivalent  # math-verify (slow), in the pool's worker only
-
-    normed = [None if a is None else _norm(a) for a in answers]
-    return group_answers(normed, lambda rep, a: equivalent(rep, a, use_math_verify))

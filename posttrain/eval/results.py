@@ -44,6 +44,10 @@ def summarize(values: list[dict], n: int, confidence: float = 0.95, resamples: i
             mean, low, high = stats.clustered_wilson(xs, n, confidence)
             n_eff = stats.effective_size(xs, n)
             method = f"wilson, effective n = {n_eff:.1f} of {len(xs) * n} samples"
+        elif name.startswith(("bon@", "maj@")):  # the kept answer's verdict, 0/1 per problem: a proportion over problems
+            mean = sum(xs) / len(xs)
+            low, high = stats.wilson_interval(sum(xs), len(xs), confidence)
+            method = f"wilson over {len(xs)} problems (one kept answer each)"
         elif len(set(xs)) == 1 and xs[0] in (0.0, 1.0):  # no spread for the bootstrap to resample
             mean = xs[0]
             low, high = stats.wilson_interval(mean * len(xs), len(xs), confidence)

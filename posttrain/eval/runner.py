@@ -20,17 +20,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from posttrain.data.formats import completion_text
-from posttrain.eval.metrics import cluster_answers, group_answers
 from posttrain.eval.prompts import Item
-from posttrain.rewards import extract
+from posttrain.rewards.answers import MATH_REQUIRE, cluster_answers, exact_classes, extract_answer, extraction_settings  # noqa: F401 - re-exported
 from posttrain.rollout import signals
 from posttrain.rollout.cli import GenerateConfig
 from posttrain.rollout.cli import make_backend as generate_backend
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request, RequestOutput
-
-MATH_REQUIRE = {"math": None, "math_answer_tag": "answer_tag", "math_after_think": "after_think"}
 
 
 @dataclass
@@ -54,28 +50,6 @@ class ItemResult:
     @property
     def correct(self) -> list[bool]:
         return [s.correct for s in self.samples]
-
-
-def extraction_settings(parts: list[tuple[str, float]], reward_args: dict) -> dict | None:
-    """How the math reward in a composition finds the final answer ({mode, require, use_math_verify}),
-    or None when the composition has no math reward (then there is no cons@k)."""
-    for name, _ in parts:
-        if name in MATH_REQUIRE:
-            opts = dict(reward_args.get(name, {}))
-            return {"mode": opts.get("mode", "auto"), "require": opts.get("require", MATH_REQUIRE[name]),
-                    "strip_prompt": opts.get("strip_prompt", True), "use_math_verify": opts.get("use_math_verify", True)}
-    return None
-
-
-def extract_answer(text: str, prompt, ex: dict) -> str | None:
-    """The final answer the math reward would compare (None: format missing or no answer)."""
-    region = extract.final_region(text, ex["require"])
-    if region is None:
-        return None
-    if ex["strip_prompt"] and prompt is not None:
-        region = extract.strip_restated(region, prompt if isinstance(prompt, str) else completion_text(prompt))
-    cands = [a for a in extract.candidates(region, ex["mode"]) if a]
-    return cands[-1] if cands else None
 
 
 # ---------------------------------------------------------------- scoring one batch of outputs
@@ -119,8 +93,6 @@ def score_outputs(reward_fn, pairs: list[tuple[ItemResult, RequestOutput]], thre
 
 def _cluster(results: list[ItemResult], ex: dict, pool) -> int:
     """Answer classes per item, in the verifier's pool; string equality where that fails."""
-    from posttrain.rewards.math import _norm  # math-verify (slow)
-
     answers = [[s.answer for s in r.samples] for r in results]
     jobs = [(a, ex["use_math_verify"]) for a in answers]
     outcomes = pool.map(cluster_answers, jobs, timeout=30.0) if pool is not None and jobs else []
@@ -130,7 +102,7 @@ def _cluster(results: list[ItemResult], ex: dict, pool) -> int:
             r.classes = o.value
         else:
             fallbacks += 1
-            r.classes = group_answers([None if x is None else _norm(x) for x in a], lambda rep, x: False)
+            r.classes = exact_classes(a)
     return fallbacks
 
 

@@ -27,11 +27,19 @@ Batching: FastAPI + uvicorn serve the HTTP side (async); one worker thread owns 
 arrive while the engine is busy join the running batch at its next step (continuous batching across
 concurrent HTTP calls: the engine's `add_request` + `step`), so eight concurrent judge calls decode
 together instead of one after another. A streamed request is read after every step (`Engine.snapshot`).
+
+Test-time selection (`select=best_of_n|majority n=N reward=…`, rollout/select.py): each returned choice is the
+one kept among N samples drawn for it (a request's `n` choices draw n·N); `usage.completion_tokens` counts all
+of them, and each choice carries `selection` {method, n, index, rewards | answers, classes, votes}. A request
+carries no reference answer, so best_of_n takes a reward that reads no dataset column (`rm:PATH`, a file
+reward); majority votes with the math verifier's extraction. Streaming is refused with select (the choice
+needs every sample finished).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import socket
 import sys
@@ -62,6 +70,8 @@ from posttrain.rollout.openai_protocol import (
     tool_call_format,
     validation_error,
 )
+from posttrain.rollout.select import HELP as SELECT_HELP
+from posttrain.rollout.select import check_select
 from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams
 
 
@@ -82,6 +92,10 @@ class ServeConfig(Config):
     max_model_len: int = Field(2048, ge=2, description="prompt + completion tokens per sequence")
     kv_cache_mb: float = Field(1024, gt=0, description="KV cache size in MiB")
     seed: int = Field(0, description="seed for requests that give none (drawn in arrival order)")
+    select: str = Field("", description=SELECT_HELP)
+    n: int = Field(1, ge=1, description="select=: samples drawn per returned choice")
+    reward: str = Field("", description="select=: rm:PATH (or a reward reading no dataset column) for best_of_n; math for majority")
+    reward_args: dict = Field(default_factory=dict, description="options per reward, e.g. {math: {mode: last_number}}")
 
 
 # ---------------------------------------------------------------- the engine's thread
@@ -202,8 +216,9 @@ class _Prompt:
 class _Api:
     """What the routes share: the worker, the tokenizer, the served name; request -> engine Requests -> OpenAI JSON."""
 
-    def __init__(self, worker: EngineWorker, tokenizer, served_name: str, default_max_tokens: int):
+    def __init__(self, worker: EngineWorker, tokenizer, served_name: str, default_max_tokens: int, selector=None, select_n: int = 1):
         self.worker, self.tok, self.name, self.default_max_tokens = worker, tokenizer, served_name, default_max_tokens
+        self.selector, self.select_n = selector, select_n if selector is not None else 1
         self.token_text = TokenText(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         self.tool_format = tool_call_format(template if isinstance(template, str) else None)
@@ -236,7 +251,7 @@ class _Api:
         stop_ids = None
         if body.stop_token_ids:  # vLLM's meaning: stop at these too, besides the model's own end-of-sequence ids
             stop_ids = list(dict.fromkeys([*(self.worker.default_eos or []), *body.stop_token_ids]))
-        return SamplingParams(n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+        return SamplingParams(n=body.n * self.select_n, temperature=1.0 if body.temperature is None else body.temperature,
                               top_p=1.0 if body.top_p is None else body.top_p, top_k=max(0, body.top_k or 0),
                               max_new_tokens=max_new, stop_token_ids=stop_ids, stop_strings=list(body.stop),
                               ignore_eos=body.ignore_eos, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
@@ -282,6 +297,30 @@ class _Api:
         if bad:
             raise APIError(400, bad[0])
         return outs
+
+    def check_stream(self, body) -> None:
+        if body.stream and self.selector is not None:
+            raise APIError(400, f"stream=true: this server keeps one of {self.select_n} samples per choice "
+                           f"(select={self.selector.method}), which needs every sample finished; send stream=false", "stream")
+
+    async def selected(self, body, prompts: list, outs: list[RequestOutput]) -> tuple[list[RequestOutput], list[list[dict]]]:
+        """With select=: each request's n·N samples -> its n kept ones (indices 0..n−1) and their `selection` records;
+        without: the outputs as they are. `prompts`: what the reward sees per request (a conversation or a string)."""
+        if self.selector is None:
+            return outs, [[{} for _ in o.samples] for o in outs]
+        N = self.select_n
+        groups = [(p, {}, [self.text(c, body)[0] for c in o.samples[j * N:(j + 1) * N]],
+                   [list(c.token_ids) for c in o.samples[j * N:(j + 1) * N]])
+                  for p, o in zip(prompts, outs) for j in range(body.n)]
+        choices = await asyncio.to_thread(self.selector.choose, groups)  # a reward model's forward: off the event loop
+        kept, records, at = [], [], 0
+        for o in outs:
+            mine = choices[at:at + body.n]
+            samples = [dataclasses.replace(o.samples[j * N + ch.index], index=j) for j, ch in enumerate(mine)]
+            kept.append(dataclasses.replace(o, samples=samples))
+            records.append([ch.record(self.selector.method) for ch in mine])
+            at += body.n
+        return kept, records
 
     # ------------------------------------------------------------ responses
     def text(self, c: Completion, body) -> tuple[str, str]:
@@ -506,14 +545,15 @@ def _install_error_handlers(app) -> None:
         return error(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, None, "server_error"))
 
 
-def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_tokens: int = 256):
-    """The FastAPI application (see the module docstring); `worker` runs the engine."""
+def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_tokens: int = 256, selector=None, select_n: int = 1):
+    """The FastAPI application (see the module docstring); `worker` runs the engine; `selector` (rollout/select.py
+    Selector) keeps one of `select_n` samples per choice."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
     app = FastAPI(title="posttrain serve")
     _install_error_handlers(app)
-    api = _Api(worker, tokenizer, served_name, default_max_tokens)
+    api = _Api(worker, tokenizer, served_name, default_max_tokens, selector, select_n)
 
     def model_card() -> dict:
         return {"id": served_name, "object": "model", "created": 0, "owned_by": "posttrain"}
@@ -542,6 +582,7 @@ def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_toke
     async def chat(body: ChatBody):
         api.check_model(body)
         body.check_noops()
+        api.check_stream(body)
         prompt, tools = api.chat_prompt(body)
         k = (body.top_logprobs or 0) if body.logprobs else None
         reqs = [Request(prompt.ids, api.sampling(body, prompt.max_new, body.seed, k, None), 0)]
@@ -549,13 +590,15 @@ def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_toke
         if body.stream:
             return stream(_Streamer(api, body, True, [prompt], cid, created), reqs, tools)
         outs = await api.generate(reqs)
-        choices = [api.chat_choice(body, c, tools) for c in outs[0].samples]
-        return api.envelope("chat.completion", cid, created, choices, outs)
+        kept, records = await api.selected(body, [[m.for_template(i) for i, m in enumerate(body.messages)]], outs)
+        choices = [{**api.chat_choice(body, c, tools), **({"selection": r} if r else {})} for c, r in zip(kept[0].samples, records[0])]
+        return api.envelope("chat.completion", cid, created, choices, outs)  # usage: every sample drawn
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
         api.check_model(body)
         body.check_noops()
+        api.check_stream(body)
         prompts = api.completion_prompts(body)
         k = body.logprobs
         reqs = [Request(p.ids, api.sampling(body, p.max_new, None if body.seed is None else body.seed + i, k,
@@ -565,9 +608,10 @@ def make_app(worker: EngineWorker, tokenizer, served_name: str, default_max_toke
         if body.stream:
             return stream(_Streamer(api, body, False, prompts, cid, created), reqs)
         outs = await api.generate(reqs)
-        choices = [api.completion_choice(body, i * body.n + c.index, p, o, c)
-                   for i, (p, o) in enumerate(zip(prompts, outs)) for c in o.samples]
-        return api.envelope("text_completion", cid, created, choices, outs)
+        kept, records = await api.selected(body, [p.text or api.tok.decode(p.ids) for p in prompts], outs)
+        choices = [{**api.completion_choice(body, i * body.n + c.index, p, o, c), **({"selection": r} if r else {})}
+                   for i, (p, o, rs) in enumerate(zip(prompts, kept, records)) for c, r in zip(o.samples, rs)]
+        return api.envelope("text_completion", cid, created, choices, outs)  # usage: every sample drawn
 
     return app
 
@@ -644,13 +688,30 @@ def build_worker(cfg: ServeConfig):
     return EngineWorker(backend if isinstance(backend, Engine) else StepAdapter(backend)), tok
 
 
+def build_selector(cfg: ServeConfig):
+    """The server's Selector (None without select=); a reward that needs dataset columns is refused: requests carry none."""
+    check_select(cfg.select, cfg.n, cfg.reward)
+    if not cfg.select:
+        return None
+    from posttrain.rewards.pool import default_pool
+    from posttrain.rollout.select import Selector
+
+    sel = Selector(cfg.select, cfg.reward, cfg.reward_args, default_pool(), cfg.n)
+    if sel.columns:
+        cols = sorted({c if isinstance(c, str) else "|".join(c) for cs in sel.columns.values() for c in cs})
+        raise UserError(f"serve select=best_of_n reward={cfg.reward}: it reads the dataset column(s) {', '.join(cols)}, which a "
+                        "request does not carry; rank by a reward model (reward=rm:PATH) or use select=majority reward=math")
+    return sel
+
+
 def main(argv: list[str]) -> None:
     cfg = parse_args(ServeConfig, argv, prog="posttrain serve")
     uvicorn = _uvicorn()
+    selector = build_selector(cfg)  # misuse refused before the port and the model
     sock = bind(cfg.host, cfg.port)  # refuse a taken port before the model loads
     worker, tok = build_worker(cfg)
     name = cfg.served_model_name or cfg.model
-    app = make_app(worker, tok, name, cfg.max_tokens)
+    app = make_app(worker, tok, name, cfg.max_tokens, selector, cfg.n)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     print(f"posttrain serve: {name} at http://{host}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="off"))

@@ -6,13 +6,13 @@ import json
 import httpx
 import pytest
 
+from conftest import write_jsonl
 from posttrain.data.formats import Row
 from posttrain.errors import UserError
 from posttrain.eval.prompts import Item
 from posttrain.eval.runner import ItemResult, Sample
 from posttrain.eval.selection import selection_values
 from posttrain.rollout.select import Selector, best_index, check_select, majority_index
-from conftest import write_jsonl
 
 
 def test_best_index_highest_reward_first_on_ties_none_never_wins():

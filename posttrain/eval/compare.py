@@ -41,6 +41,9 @@ class CompareConfig(Config):
     bootstrap: int = Field(10000, ge=100, description="paired bootstrap resamples over problems")
     seed: int = Field(0, description="bootstrap seed")
     output: str = Field("", description="also write the comparison as JSON to this file")
+    curve: bool = Field(False, description="also overlay pass@k of A and B at every k up to the smallest n (unbiased estimator), "
+                                           "the paired interval of B − A at each k, and say sharpening / expanding / unclear")
+    report: str = Field("", description="curve=true: also write the overlay as an HTML page (inline SVG) to this file")
 
 
 def load_results(path: str | Path) -> dict:
@@ -84,8 +87,9 @@ def mcnemar_counts(xa: list[dict], xb: list[dict]) -> tuple[int, int] | None:
 
 
 def compare(a: dict, b: dict, metric: str = "pass@1", allow_protocol_diff: bool = False, confidence: float = 0.95,
-            resamples: int = 10000, seed: int = 0) -> dict:
-    """The comparison of results B against A (dicts as written by `posttrain eval`)."""
+            resamples: int = 10000, seed: int = 0, curve: bool = False) -> dict:
+    """The comparison of results B against A (dicts as written by `posttrain eval`); `curve`: add pass@k at every k
+    with the sharpening / expanding verdict (eval/curve.py)."""
     diffs = P.differences(a["protocol"], b["protocol"])
     if diffs and not allow_protocol_diff:
         lines = "\n".join(f"  {k}: {va!r} vs {vb!r}"[:300] for k, va, vb in diffs)
@@ -113,6 +117,10 @@ def compare(a: dict, b: dict, metric: str = "pass@1", allow_protocol_diff: bool 
                                    "not problems like these"}
     alpha = 1 - confidence
     out["significant"] = boot["p_value"] < alpha  # over problems: the question a benchmark asks
+    if curve:
+        from posttrain.eval.curve import curve_compare
+
+        out["curve"] = curve_compare(xa, xb, str(a.get("_path", "A")), str(b.get("_path", "B")), confidence, resamples, seed)
     return out
 
 
@@ -136,6 +144,10 @@ def print_comparison(r: dict) -> None:
               f"p = {m['p_value']:.4g}")
     verdict = "significantly different" if r["significant"] else "not significantly different"
     print(f"=> {verdict} over problems at α = {1 - r['confidence']:.2g} (paired bootstrap)")
+    if "curve" in r:
+        from posttrain.eval.curve import print_curve
+
+        print_curve(r["curve"])
 
 
 def main(argv: list[str]) -> int:
@@ -146,8 +158,14 @@ def main(argv: list[str]) -> int:
         raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] [metric=pass@1]")
     cfg = parse_args(CompareConfig, rest, prog="posttrain eval compare A/results.json B/results.json")
     result = compare(load_results(paths[0]), load_results(paths[1]), cfg.metric, cfg.allow_protocol_diff,
-                     cfg.confidence, cfg.bootstrap, cfg.seed)
+                     cfg.confidence, cfg.bootstrap, cfg.seed, curve=cfg.curve)
     print_comparison(result)
+    if cfg.report:
+        if not cfg.curve:
+            raise UserError("report= writes the pass@k overlay: give curve=true with it")
+        from posttrain.eval.curve import write_curve_html
+
+        print(f"report: {write_curve_html(cfg.report, result)}")
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(result, indent=1))
     return 0

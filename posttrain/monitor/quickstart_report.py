@@ -135,6 +135,17 @@ def with_start(rows: list[dict], before: dict) -> list[dict]:
     return [{"step": 0, "eval/pass@1": m["value"], "eval/pass@1_low": m["low"], "eval/pass@1_high": m["high"]}, *rows]
 
 
+def curve_html(cmp: dict) -> str:
+    """compare.json's pass@k overlay (eval compare curve=true): both curves, B − A with its interval, the verdict."""
+    cur = cmp.get("curve")
+    if not cur:
+        return ""
+    from posttrain.monitor.curves import svg_difference, svg_overlay
+
+    return (f"<h2>pass@k before and after: {html.escape(cur['verdict'])}</h2><p class='verdict'>{html.escape(cur['reason'])}</p>"
+            f"{svg_overlay(cur['rows'], 'before', 'after')} {svg_difference(cur['rows'])}<p class='muted'>{html.escape(cur['method'])}</p>")
+
+
 def write_quickstart_report(out: str | Path) -> Path:
     out = Path(out)
     before, after, cmp = (_load(out / p) for p in ("eval_before/results.json", "eval_after/results.json", "compare.json"))
@@ -147,6 +158,7 @@ def write_quickstart_report(out: str | Path) -> Path:
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>posttrain quickstart</title><style>{STYLE}</style></head>
 <body><h1>posttrain quickstart: GRPO on {html.escape(before['protocol']['model']['name'].split('/')[-1])}, evaluated on held-out problems</h1>
 {headline(before, after, cmp, rows, str(hw_text))}
+{curve_html(cmp)}
 <h2>Training</h2>{f'<img src="{grid.name}" alt="training curves">' if grid else '<p>no metrics</p>'}
 <h2>Health alarms</h2>{alarms_html(summary)}
 <h2>Predicted vs measured cost (GRPO stage)</h2>{cost_table(plan)}

@@ -124,7 +124,7 @@ def main(argv: list[str]) -> None:
     after = run_eval_stage(cfg.eval, str(out / "rl" / "final"), out / "eval_after", "      trained model")
     print("[4/4] compare (paired over the same problems and sample seeds)", flush=True)
     before["_path"], after["_path"] = str(out / "eval_before" / "results.json"), str(out / "eval_after" / "results.json")
-    result = compare(before, after)
+    result = compare(before, after, curve=True)  # + pass@k at every k: sharpening or expanding
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     print_comparison(result)
     (out / "quickstart.json").write_text(json.dumps({"machine": machine(), "seconds": time.perf_counter() - t0}))

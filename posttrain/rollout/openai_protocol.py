@@ -80,6 +80,23 @@ def context_error(limit: int, prompt: int, completion: int | None, param: str) -
     return APIError(400, msg, param, "context_length_exceeded")
 
 
+def check_unicode(value, param: str = "") -> None:
+    """400 naming the first string inside `value` (a body's dump) that holds a lone surrogate (not valid Unicode)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = f"\\u{ord(value[e.start]):04x}"
+            raise APIError(400, f"{param or 'body'}: contains a lone surrogate escape ({bad} at character {e.start}), "
+                           "which is not valid Unicode text; send UTF-8 text (a surrogate pair is fine)", param or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(v, f"{param}.{k}" if param else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_unicode(v, f"{param}.[{i}]" if param else f"[{i}]")
+
+
 # ---------------------------------------------------------------- request bodies
 
 
@@ -127,7 +144,9 @@ class _Body(_Strict):
         return stops
 
     def check_noops(self) -> None:
-        """Refuse (400) what is not a no-op among the keys accepted only at their defaults."""
+        """Refuse (400) what is not a no-op among the keys accepted only at their defaults, and text that is not
+        Unicode (a lone surrogate escape such as "\\ud800": JSON allows it, no tokenizer can encode it)."""
+        check_unicode(self.model_dump(exclude_none=True))
         for name, default in (("frequency_penalty", 0), ("presence_penalty", 0), ("min_p", 0), ("repetition_penalty", 1),
                               ("min_tokens", 0)):
             v = getattr(self, name)
@@ -180,6 +199,15 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v):
+        for c in v or []:
+            fn = c.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError("a tool call is {'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
+        return v
 
     def text(self, i: int) -> str:
         if self.content is None or isinstance(self.content, str):

@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("posttrain.rollout.cli:main", "sample completions with the built-in engine, HF or vLLM"),
     "data": ("posttrain.data.cli:main", "`data export`: any data= source (task, file, Hub dataset, mixture) as a JSONL file"),
     "score": ("posttrain.rewards.cli:main", "score a file of completions with a reward or a composition"),
-    "eval": ("posttrain.eval.cli:main", "pass@k, cons@k, pass^k with intervals; `eval compare A B`; `eval contamination`"),
+    "eval": ("posttrain.eval.cli:main", "pass@k, cons@k, pass^k with intervals, select=best_of_n|majority; `eval compare A B [curve=true]`; `eval contamination`; `eval rank`"),
     "plan": ("posttrain.plan.cli:main", "predict memory, tokens, FLOPs and time before a run"),
     "methods": ("posttrain.plan.methods_cli:main", "the method map: where reward, reference and value come from, models in memory"),
     "models": ("posttrain.models.cli:main", "list built-in models; `models fetch NAME` makes one available offline"),

@@ -4,6 +4,7 @@
         reward_args="{math: {mode: last_number}}" max_new_tokens=24 output_dir=runs/eval/rl
     posttrain eval compare runs/eval/base/results.json runs/eval/rl/results.json [allow_protocol_diff=true]
     posttrain eval contamination train=data/train.jsonl eval=single_digit_add:all [n=13]
+    posttrain eval rank pairs_ab.jsonl pairs_bc.jsonl [anchor=NAME] [bootstrap=1000]
 
 Everything that can be wrong with the data, the reward or the options is refused before the model
 loads. The run writes output_dir/results.json (protocol, metrics with intervals, per-item outcomes
@@ -120,6 +121,10 @@ def main(argv: list[str]) -> int | None:
         return agent_main(argv)
     if argv and argv[0] == "contamination":
         return contamination_main(argv[1:])
+    if argv and argv[0] == "rank":  # Bradley–Terry over pairwise results (eval/rank.py)
+        from posttrain.eval.rank import main as rank_main
+
+        return rank_main(argv[1:])
     cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_eval(cfg)
     print_summary(doc, cfg.output_dir)

@@ -118,8 +118,9 @@ def _as_response(prompt, text: str):
     return [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
 
 
-def pair_row(prompt, pair: tuple, v: PairVerdict) -> dict:
-    """One output row in TRL's preference format (tie rows keep the a/b order)."""
+def pair_row(prompt, pair: tuple, v: PairVerdict, models: dict | None = None) -> dict:
+    """One output row in TRL's preference format (tie rows keep the a/b order); `models` names the policies behind
+    the labels A and B (what `posttrain eval rank` ranks)."""
     pi, la, ta, lb, tb = pair
     chosen, rejected = (tb, ta) if v.winner == "b" else (ta, tb)
     row = {"prompt": prompt, "chosen": _as_response(prompt, chosen), "rejected": _as_response(prompt, rejected)}
@@ -127,6 +128,8 @@ def pair_row(prompt, pair: tuple, v: PairVerdict) -> dict:
         row["tie"] = True
     row["judge"] = {"version": v.version, "digest": v.digest, "model": v.model, "orders": v.orders}
     row["source"] = {"prompt_index": pi, "a": la, "b": lb, "chosen": lb if v.winner == "b" else la}
+    if models:
+        row["source"]["models"] = models
     return row
 
 
@@ -157,6 +160,11 @@ def _gather(cfg: LabelConfig, rows) -> tuple[list, list, bool]:
     if cfg.policy_b:
         b = sample_policy(cfg.policy_b, prompts, cfg.pairs_per_prompt, cfg)
     return prompts, plan_pairs(len(prompts), a, b, cfg.pairs_per_prompt), False
+
+
+def side_models(cfg: LabelConfig) -> dict:
+    """{"A": policy or samples file of side A, "B": …}: who wrote each side's responses."""
+    return {k: v for k, v in (("A", cfg.policy_a or cfg.samples_a), ("B", cfg.policy_b or cfg.samples_b)) if v}
 
 
 def two_policies(cfg: LabelConfig) -> bool:
@@ -199,7 +207,7 @@ def label(cfg: LabelConfig) -> dict:
             ties += v.winner == "tie"
             if v.winner is None or (v.winner == "tie" and cfg.ties == "drop"):
                 continue
-            f.write(json.dumps(pair_row(prompts[pair[0]], pair, v), ensure_ascii=False) + "\n")
+            f.write(json.dumps(pair_row(prompts[pair[0]], pair, v, side_models(cfg)), ensure_ascii=False) + "\n")
             written += 1
     errors = [{"prompt_index": p[0], "a": p[1], "b": p[3], "error": v.error} for p, v in zip(pairs, verdicts) if v.winner is None]
     summary = {"output": str(out), "pairs_judged": len(pairs), "written": written, "decided": sum(v.winner in ("a", "b") for v in verdicts),

@@ -49,11 +49,14 @@ def test_rloo_leave_one_out():
 
 def test_reinforce_pp_and_baseline():
     sb = math.sqrt(12 / 11 * (7 / 12) * (5 / 12))
-    adv, _ = A.advantages.get("reinforce_pp")(R, G)
+    adv, _ = A.advantages.get("reinforce_pp")(R, G, whiten="sequence")
     close(adv, (R - 7 / 12) / sb)
+    # token whitening with every length 1 is the sequence whitening
+    close(A.advantages.get("reinforce_pp")(R, G, lengths=torch.ones(12))[0], (R - 7 / 12) / sb)
     centered = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0, -0.25, -0.25, 0.75, -0.25])
     sc = math.sqrt((4 * 0.25 + 3 * 0.0625 + 0.5625) / 11)  # mean of centred is 0
-    close(A.advantages.get("reinforce_pp_baseline")(R, G)[0], centered / sc)
+    close(A.advantages.get("reinforce_pp_baseline")(R, G, whiten="sequence")[0], centered / sc)
+    close(A.advantages.get("reinforce_pp_baseline")(R, G, lengths=torch.ones(12))[0], centered / sc)
 
 
 def test_learnability_weights():
@@ -132,7 +135,8 @@ def test_equal_rewards_that_are_inexact_in_float32_get_exactly_zero_advantage(na
 
     rewards = torch.tensor([1.2] * 8 + [0.0, 1.0, 1.0, 0.0], dtype=torch.float32)
     groups = torch.tensor([0] * 8 + [1] * 4)
-    adv, m = advantages.get(name)(rewards, groups)
+    extra = {"lengths": torch.arange(1.0, 13.0)} if name == "reinforce_pp_baseline" else {}  # token whitening
+    adv, m = advantages.get(name)(rewards, groups, **extra)
     assert torch.equal(adv[:8], torch.zeros(8)), adv[:8]
     assert adv[8:].abs().sum() > 0
     assert float(m["groups/zero_adv_frac"]) == 0.5

@@ -21,6 +21,8 @@ groups/all_pass_frac, groups/all_fail_frac (a sample passes when reward > pass_t
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from posttrain.algos._groups import group_index, group_max, group_mean, group_min, group_std, group_sum
@@ -125,31 +127,76 @@ def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (x - x.mean()) / (x.std() + eps)
 
 
-@registry.register("reinforce_pp", level="outcome")
-def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6,
-                 pass_threshold: float = 0.5):
-    """REINFORCE++ (Hu 2025, arXiv 2501.03262) for outcome rewards: global batch normalisation
+def _token_whiten(x: torch.Tensor, lengths: torch.Tensor, eps: float) -> torch.Tensor:
+    """Whitening over the batch's loss TOKENS, each sequence's value repeated over its `lengths` tokens:
 
-        A_i = (r_i − mean_batch(r)) / std_batch(r)
+        mean = Σ_i L_i x_i / Σ_i L_i,   var = Σ_i L_i (x_i − mean)² / (Σ_i L_i − 1)   (unbiased, verl's masked_whiten)
+        A_i = (x_i − mean) / (sqrt(var) + eps)                                        # (N,)
+
+    A sequence of length 0 (no loss tokens) does not enter the statistics."""
+    w = lengths.to(x.dtype)
+    if w.shape != x.shape or bool((w < 0).any()):
+        raise ValueError(f"lengths must be (N,) non-negative token counts, got shape {tuple(w.shape)}")
+    n = w.sum()
+    if float(n) == 0:
+        return x - x.mean()
+    mean = (w * x).sum() / n
+    if float(n) < 2:
+        return x - mean
+    var = (w * (x - mean) ** 2).sum() / (n - 1)
+    return (x - mean) / (var.sqrt() + eps)
+
+
+WHITEN = ("token", "sequence")
+
+
+def _whiten(x: torch.Tensor, whiten: str, lengths: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if whiten == "token":
+        if lengths is None:
+            raise ValueError("whiten='token' needs lengths (loss tokens per sequence, (N,)); the RL recipe passes "
+                             "them, or use whiten='sequence'")
+        return _token_whiten(x, lengths, eps)
+    if whiten == "sequence":
+        return _batch_whiten(x, eps)
+    raise ValueError(f"whiten must be 'token' or 'sequence', got {whiten!r}")
+
+
+def takes_lengths(fn) -> bool:
+    """Whether an outcome estimator (or a functools.partial of one) takes `lengths` (loss tokens per sequence)."""
+    return "lengths" in inspect.signature(fn).parameters
+
+
+@registry.register("reinforce_pp", level="outcome")
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *, whiten: str = "token",
+                 lengths: torch.Tensor | None = None, eps: float = 1e-6, pass_threshold: float = 0.5):
+    """REINFORCE++ (Hu 2025, arXiv 2501.03262) for outcome rewards: global batch normalisation.
+
+    whiten="token" (the default: the paper's eq. 10, verl's and OpenRLHF's implementation): the
+    statistics are over every loss token of the batch, a sequence's reward counted once per token
+    (`lengths` (N,) = loss tokens per sequence; `_token_whiten`). With rewards [1, 0] and lengths
+    [1, 3] the token values are [1, 0, 0, 0]: mean 0.25, unbiased std 0.5, A = [1.5, −0.5].
+    whiten="sequence": each sequence counted once, A_i = (r_i − mean_batch(r)) / std_batch(r)
+    (unbiased; [1, 0] -> [0.707, −0.707] whatever the lengths).
 
     The paper's token advantage is A_t = r − β Σ_{s≥t} KL_s (k1 KL folded into the reward) before
-    the same batch normalisation; here the KL is kept in the loss (or β = 0), so A is per sequence.
+    the same normalisation; here the KL is kept in the loss (or β = 0), so A is per sequence.
     group_ids only feed the metrics (the paper samples one response per prompt)."""
     _check(rewards, group_ids)
-    adv = _batch_whiten(rewards, eps)
+    adv = _whiten(rewards, whiten, lengths, eps)
     return adv, group_metrics(rewards, group_ids, adv, pass_threshold)
 
 
 @registry.register("reinforce_pp_baseline", level="outcome")
-def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6,
-                          pass_threshold: float = 0.5):
+def reinforce_pp_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, *, whiten: str = "token",
+                          lengths: torch.Tensor | None = None, eps: float = 1e-6, pass_threshold: float = 0.5):
     """REINFORCE++-baseline (same paper, v2+, for G > 1 samples per prompt): subtract the group mean,
-    then normalise by the *batch* statistics of the centred rewards:
+    then normalise by the *batch* statistics of the centred rewards, over tokens (default, as
+    `reinforce_pp`) or over sequences (whiten="sequence"):
 
         A'_i = r_i − mean_g(r);   A_i = (A'_i − mean_batch(A')) / std_batch(A')"""
     _check(rewards, group_ids)
     centered, inv, counts = _centered(rewards, group_ids)
-    adv = _batch_whiten(centered, eps)
+    adv = _whiten(centered, whiten, lengths, eps)
     adv = torch.where(_flat(rewards, inv, counts), torch.zeros_like(adv), adv)  # the batch mean is not exactly 0
     return adv, group_metrics(rewards, group_ids, adv, pass_threshold)
 

@@ -37,6 +37,21 @@ BETA_PRESETS: dict[str, float] = {
 }
 
 
+def beta_value(value):
+    """A β given as a number or as a preset's name (`beta=deepseekmath` -> 0.04); None stays None (the algo's
+    default). An unknown name raises ValueError listing the names (the config turns it into a ConfigError)."""
+    if isinstance(value, str):
+        name = value.strip().lower()
+        if name in BETA_PRESETS:
+            return BETA_PRESETS[name]
+        try:
+            return float(name)
+        except ValueError:
+            names = ", ".join(f"{k} ({v:g})" for k, v in BETA_PRESETS.items())
+            raise ValueError(f"beta must be a number >= 0 or a preset name: {names}; got {value!r}") from None
+    return value
+
+
 @kl_estimators.register("k1")
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k1 = log πθ − log πref  # (B, T)"""

@@ -13,8 +13,9 @@ so the memory of the head is one tile of logits, never N × V (Gemma 3: 4096 tok
 4.3 GB). A tile holds at most `tile_elements` numbers: 8x the hidden-state rows it is computed from,
 between 1 MB and 128 MB in fp32, whatever the vocabulary. When the whole (N, V) softmax is no
 larger than the head's weight and its gradient (N <= 2 x hidden size), which exist anyway, and than
-128 MB, the forward keeps it for the backward instead (no second head matmul). Entropy of the full distribution is returned as a
-detached metric on request (online too: H = lse − Σ p z).
+128 MB, the forward keeps it for the backward instead (no second head matmul). Entropy of the full distribution is returned
+on request (online too: H = lse − Σ p z), differentiable in this path (an entropy bonus: ∂H/∂z_v = −p_v (log p_v + H),
+added in the same tile loop); the kept-set path below returns it detached.
 
 Sampling with top-k / top-p draws from a kept set that only the whole row's logits define:
 `chunked_kept_logprobs` runs `ops.sampling.trainer_logprobs` on chunks of whole rows, at most a
@@ -126,13 +127,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
             ctx.kept = None
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.hm, ctx.rows, ctx.cols = hm, rows, (V if keep else cols)  # a recomputing backward tiles as the forward did
-        if want_entropy:
-            ctx.mark_non_differentiable(entropy)
+        ctx.entropy = entropy.detach() if want_entropy else None  # H (N,): the entropy's own gradient needs it
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
+        ent, ctx.entropy = ctx.entropy, None
+        if ent is None or grad_entropy is None or not bool(grad_entropy.ne(0).any()):
+            grad_entropy = None  # the entropy was a metric only (an entropy bonus gives it a gradient)
         acc = _acc(hidden.dtype)
         grad_h, grad_w, grad_b = _grad_buffers(ctx, hidden, weight, bias)
         kept, ctx.kept = ctx.kept, None
@@ -149,7 +152,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 else:
                     z, slope = _tile(h, weight, bias, v0, v1, ctx.hm, slope=True)
                     p = torch.exp(z.sub_(lse[s : s + rows, None]))
-                dz = _tile_grad(p, g, targets[s : s + rows], v0, v1, slope)  # dL/du of the tile (r, c)
+                # entropy bonus: ∂H/∂z_v = −p_v (log p_v + H), before p is overwritten
+                e_term = None if grad_entropy is None else _entropy_grad(p, ent[s : s + rows], grad_entropy[s : s + rows].to(acc))
+                dz = _tile_grad(p, g, targets[s : s + rows], v0, v1, slope, e_term)  # dL/du of the tile (r, c)
                 _backprop_tile(dz, h_acc, weight, v0, v1, gh, grad_w, grad_b)
             if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
@@ -183,9 +188,17 @@ def _grad_buffers(ctx, hidden, weight, bias):
     return grad_h, grad_w, grad_b
 
 
-def _tile_grad(p, g, targets, v0: int, v1: int, slope):
-    """dL/du = g·(1[v = y] − p)·dz/du on one tile; p (r, c) is overwritten."""
+def _entropy_grad(p, entropy, g_ent):
+    """dL/dz of the entropy output on one tile: g_H·∂H/∂z_v = −g_H·p_v (log p_v + H)  (r, c); p (r, c) kept."""
+    return (torch.xlogy(p, p) + p * entropy[:, None]).mul_(-g_ent[:, None])
+
+
+def _tile_grad(p, g, targets, v0: int, v1: int, slope, extra=None):
+    """dL/du = (g·(1[v = y] − p) + extra)·dz/du on one tile (extra: another output's dL/dz, e.g. the
+    entropy's); p (r, c) is overwritten."""
     dz = p.mul_(-g[:, None])
+    if extra is not None:
+        dz += extra
     rows, col = _target_in_tile(targets, v0, v1)
     dz[rows, col] += g[rows]
     return dz.mul_(slope) if not (isinstance(slope, float) and slope == 1.0) else dz

@@ -1,5 +1,6 @@
 """`posttrain eval contamination train=… eval=… [n=13]`: n-gram overlap between a training set and an
-evaluation set, per evaluation item and overall.
+evaluation set, per evaluation item and overall (`mode=completion model=…`: the memorisation probe of
+eval/memorization.py instead).
 
 Text is normalised as in the GPT-3 contamination study (Brown et al. 2020, appendix C): lower case,
 punctuation dropped, split into words. An evaluation item is *contaminated* when any of its word
@@ -99,10 +100,26 @@ class ContaminationConfig(Config):
     fields: list[str] = Field(default_factory=lambda: ["prompt"], description="columns of an evaluation row to check (a row without them: every string in it); training rows: every string")
     min_words: int = Field(8, ge=1, description="fields shorter than this many words are skipped (too short to tell)")
     output: str = Field("", description="write the per-item report as JSON here")
+    mode: str = Field("ngram", pattern="^(ngram|completion)$", description="ngram: n-gram overlap with train= (GPT-3); "
+                      "completion: memorisation probe of model= (prefix -> greedy continuation vs the rest; eval/memorization.py)")
+    model: str = Field("", description="mode=completion: the model probed (HF folder, built-in name or Hub id)")
+    prefix: float = Field(0.5, gt=0, lt=1, description="mode=completion: share of each item's tokens given as the prompt")
+    threshold: float = Field(0.8, gt=0, le=1, description="mode=completion: near match when token edit similarity >= this")
+    min_tokens: int = Field(8, ge=2, description="mode=completion: items with fewer tokens are skipped")
+    worst: int = Field(10, ge=0, description="mode=completion: how many most-similar items to print")
+    backend: str = Field("auto", description="mode=completion: generation backend (auto | builtin | hf | vllm)")
+    dtype: str = Field("float32", description="mode=completion: model dtype")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="mode=completion: auto | cpu | cuda | cuda:N")
+    max_model_len: int = Field(2048, ge=2, description="mode=completion: prompt + continuation tokens per item")
 
 
 def main(argv: list[str]) -> int:
     cfg = parse_args(ContaminationConfig, argv, prog="posttrain eval contamination")
+    if cfg.mode == "completion":  # the memorisation probe (eval/memorization.py)
+        from posttrain.eval.memorization import run_completion
+
+        run_completion(cfg)
+        return 0
     if not cfg.train or not cfg.eval:
         raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")
     train = [r.data for r in read_rows(cfg.train)]

@@ -6,12 +6,14 @@ chosen once (`make_rollout`), and the planner's prediction."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from posttrain.agentic.episodes import AgentRun, setup_agent
 from posttrain.algos import AdaptiveKLController, FixedKLController, policy_losses
 from posttrain.algos import advantages as adv_registry
+from posttrain.algos.entropy import AdaptiveEntropyCoef, FixedEntropyCoef
 from posttrain.algos.presets import rl_preset, uses_critic
 from posttrain.data import formats
 from posttrain.data.templates import check_template
@@ -89,6 +91,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 device, info=info, critic=critic, measured=measured, eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
                                     verifiers=verifier_weights(reward_fn)))
+    run.entropy_ctl = entropy_controller(cfg)
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
@@ -100,6 +103,7 @@ def setup(cfg: RLConfig) -> RLRun:
             run.drift.load(state.get("drift", {}))
         if critic is not None:
             critic.load_state(state)
+        run.entropy_ctl.load(state.get("entropy", {}))
     run.rollout = make_rollout(run, agent, inner, policy_copy, state)
     if state:
         run.rollout.sync_weights(run)
@@ -114,7 +118,15 @@ def advantage_fn(cfg: RLConfig, critic: Critic | None):
     """Outcome advantages from the registry; none for PPO (GAE from the critic) and online DPO (pairs)."""
     if critic is not None or cfg.algo == "online_dpo":
         return None
-    return adv_registry.get(cfg.resolved_advantage)
+    fn = adv_registry.get(cfg.resolved_advantage)
+    return functools.partial(fn, **cfg.advantage_args) if cfg.advantage_args else fn  # options checked in the config
+
+
+def entropy_controller(cfg: RLConfig):
+    """The entropy bonus's coefficient: fixed `entropy_coef`, or Skywork-OR1's adaptive control toward `entropy_target`."""
+    if cfg.entropy_control == "adaptive":
+        return AdaptiveEntropyCoef(cfg.entropy_coef, cfg.entropy_target, cfg.entropy_delta)
+    return FixedEntropyCoef(cfg.entropy_coef)
 
 
 def make_rollout(run: RLRun, agent: AgentRun | None, inner, policy_copy, state: dict) -> Rollout:
@@ -150,11 +162,12 @@ def make_engine(cfg: RLConfig, model: torch.nn.Module, tok):
 def refusals_under_torchrun(cfg: RLConfig) -> list[tuple[bool, str]]:
     """What a sharded run cannot do yet."""
     return [(cfg.algo == "online_dpo", "algo=online_dpo"), (bool(cfg.env), "env= (multi-turn episodes)"),
-            (cfg.systems.pipelined, "async_rl / cluster=ray"), (cfg.lora.enabled, "lora")]
+            (cfg.systems.pipelined, "async_rl / cluster=ray"), (cfg.lora.enabled, "lora"),
+            (bool(cfg.ref_reset_every), "ref_reset_every (the reference is an unsharded copy)")]
 
 
 def reward_of(cfg: RLConfig, rows: list[formats.Row]):
-    return build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)
+    return build_reward(cfg.resolved_reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # + overlong (dapo)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -4,20 +4,25 @@ combination before anything loads (the algorithm presets are in posttrain/algos/
 from __future__ import annotations
 
 import inspect
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from posttrain.agentic.settings import AgentSettings
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos import policy_losses, preference_losses
+from posttrain.algos.kl import BETA_PRESETS, beta_value
 from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
 from posttrain.config import CommonConfig, Config
 from posttrain.eval.hook import EvalSettings
 from posttrain.models.lora import LoraSettings
 from posttrain.monitor.alarms import AlarmSettings
+from posttrain.recipes.rl.options import check_rl_options
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.training.optim import OptimSettings
+
+BETA_NAMES = ", ".join(f"{k} {v:g}" for k, v in BETA_PRESETS.items())
 
 
 class SystemsSettings(Config):
@@ -69,7 +74,8 @@ class RLConfig(CommonConfig):
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(kv_cache_mb=512),
                                  description="built-in engine (max_num_seqs defaults to B × G)")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="train a LoRA adapter on the policy; π_ref is the base (adapter off), the engine samples the adapted weights")
-    beta: float | None = Field(None, ge=0, description="KL coefficient; None = the algo's preset; 0 loads no reference")
+    beta: Annotated[float | None, BeforeValidator(beta_value)] = Field(
+        None, ge=0, description=f"KL coefficient: a number or a paper's value by name ({BETA_NAMES}); None = the algo's preset; 0 loads no reference")
     kl_estimator: str = Field("k3", pattern="^(k1|k2|k3)$", description="KL in the loss: k3 (GRPO) | k2; k1 has zero expected gradient there")
     kl_target: float | None = Field(None, gt=0, description="adaptive β toward this KL per sequence (nats; Ziegler et al. 2019); None = fixed β")
     kl_horizon: int = Field(10000, ge=1, description="adaptive KL controller horizon (samples)")
@@ -77,6 +83,20 @@ class RLConfig(CommonConfig):
     loss: str | None = Field(None, description="override the algo's policy loss (registry name)")
     loss_agg: str | None = Field(None, description="token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (default: the algo's)")
     loss_args: dict = Field(default_factory=dict, description="extra keyword arguments of the policy loss, e.g. {eps_high: 0.28}")
+    advantage_args: dict = Field(default_factory=dict, description="keyword arguments of the advantage estimator, checked against it: "
+                                 "{std_scale: batch} (grpo: group|batch|none), {pass_threshold: 0.5}, {whiten: sequence} "
+                                 "(reinforce_pp: token|sequence), {weight: maxent, lam: 1.0} (learnability)")
+    overlong_shaping: bool | None = Field(None, description="add DAPO's soft overlong punishment to the reward (Lmax = max_new_tokens, "
+                                          "Lcache = Lmax / 5; reward_args={overlong: {...}} changes them); None = the algo's (dapo: on)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: loss − c·H per loss token (H of the temperature-only distribution; 0 = off)")
+    entropy_control: str = Field("none", pattern="^(none|adaptive)$", description="adaptive: Skywork-OR1's adaptive entropy control, "
+                                 "c += entropy_delta when the step's entropy < entropy_target, −= when above (c >= 0, starts at entropy_coef); "
+                                 "the bonus acts only while entropy <= target")
+    entropy_target: float = Field(0.2, gt=0, description="entropy_control=adaptive: target entropy (nats per token; Skywork-OR1: 0.2)")
+    entropy_delta: float = Field(0.005, gt=0, description="entropy_control=adaptive: step of the coefficient per optimizer step (Skywork-OR1: 0.005)")
+    ref_reset_every: int = Field(0, ge=0, description="grpo family / ppo: reference <- current policy every N steps (ProRL's reference reset; "
+                                 "0 = frozen reference); needs beta > 0")
+    ref_reset_optimizer: bool = Field(False, description="with ref_reset_every: also clear the policy optimizer's state (AdamW moments) at each reset")
     tis_cap: float | None = Field(None, ge=0, description="truncated importance sampling cap on π_old/μ; None = 2.0 when trainer and sampler differ in precision, else off; 0 = off")
     dynamic_sampling: bool | None = Field(None, description="drop groups whose rewards are all equal and refill (default: the algo's)")
     max_resample: int = Field(3, ge=0, description="extra generation rounds to refill after dynamic sampling")
@@ -119,7 +139,7 @@ class RLConfig(CommonConfig):
     def _check_algorithm(self):
         preset = rl_preset(self.algo)
         if self.algo == "online_dpo":
-            given = [k for k in ("advantage", "loss_agg", "loss_args") if getattr(self, k)]
+            given = [k for k in ("advantage", "loss_agg", "loss_args", "advantage_args") if getattr(self, k)]
             if given:
                 raise ValueError(f"{', '.join(given)}: not used by algo=online_dpo (it takes pref_loss and pref_args)")
             accepted = _keyword_args(preference_losses.get(self.pref_loss)) - {
@@ -134,6 +154,7 @@ class RLConfig(CommonConfig):
             if unknown:
                 raise ValueError(f"loss_args {unknown} are not arguments of policy loss '{self.resolved_loss}' (it takes {sorted(accepted)})")
             adv_registry.get(self.resolved_advantage)
+        check_rl_options(self)
         if self.kl_estimator == "k1" and self.resolved_beta > 0 and not uses_critic(preset):
             raise ValueError("kl_estimator=k1 in the loss has zero expected gradient on-policy (E_π[∇ log π] = 0): "
                              "use k3 (GRPO) or k2, or beta=0")
@@ -178,6 +199,19 @@ class RLConfig(CommonConfig):
     @property
     def resolved_agg(self) -> str | None:
         return self.loss_agg or rl_preset(self.algo).agg
+
+    @property
+    def resolved_overlong(self) -> bool:
+        """DAPO's overlong shaping: the config's, else the preset's; never with env= (the environment scores)."""
+        on = rl_preset(self.algo).overlong if self.overlong_shaping is None else self.overlong_shaping
+        return on and not self.env
+
+    @property
+    def resolved_reward(self) -> str:
+        """The reward spec the run composes: `reward`, plus `overlong` when the shaping is on and not already named."""
+        if self.resolved_overlong and "overlong" not in [p.strip().split(":")[0] for p in self.reward.split(",")]:
+            return f"{self.reward},overlong"
+        return self.reward
 
     @property
     def resolved_dynamic_sampling(self) -> bool:

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algos import AdaptiveKLController, FixedKLController
+from posttrain.algos.entropy import AdaptiveEntropyCoef, FixedEntropyCoef
 from posttrain.data.formats import Row
 from posttrain.eval.hook import EvalHook
 from posttrain.monitor.alarms import AlarmMonitor
@@ -103,6 +104,7 @@ class RLRun:
     eval_hook: EvalHook | None = None
     drift: DriftProbe | None = None  # KL to the start policy when no reference is held (β = 0)
     engine_window: EngineWindow = field(default_factory=EngineWindow)  # the engine's counters at the last row
+    entropy_ctl: FixedEntropyCoef | AdaptiveEntropyCoef = field(default_factory=FixedEntropyCoef)  # entropy bonus coefficient
 
     @property
     def beta(self) -> float:
@@ -110,10 +112,12 @@ class RLRun:
         return self.kl_ctl.value if self.ref is not None else 0.0
 
     def checkpoint_extras(self) -> dict | None:
-        """Modules a checkpoint keeps beside the policy: PPO's value model (with its optimizer), and online
-        DPO's reference once it follows the policy (`ref_update_every`: no longer the initial weights)."""
+        """Modules a checkpoint keeps beside the policy: PPO's value model (with its optimizer), and the reference
+        once it follows the policy (online DPO's `ref_update_every`, ProRL's `ref_reset_every`: no longer the
+        initial weights)."""
         extras = dict(self.critic.extras()) if self.critic is not None else {}
-        if self.ref is not None and self.cfg.algo == "online_dpo" and self.cfg.ref_update_every:
+        moves = (self.cfg.algo == "online_dpo" and self.cfg.ref_update_every) or self.cfg.ref_reset_every
+        if self.ref is not None and moves:
             extras["reference"] = (self.ref, None)
         return extras or None
 

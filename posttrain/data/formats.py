@@ -15,6 +15,7 @@ checked before training; a problem raises DataError naming file, row and field.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,48 @@ class Row:
 # ---------------------------------------------------------------- reading
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # \ud800-\udfff written in JSON
+
+
+def _utf8(raw: bytes, path: Path, line: int, offset: int) -> str:
+    """One line's bytes as text (a UTF-8 byte-order mark on the first line is dropped); offset: the line's first byte."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(str(path), line, None, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                        "of the file; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT)") from None
+    return text[1:] if line == 1 and text.startswith("\ufeff") else text
+
+
+def _lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
+    """(field path, the escape) of the first string holding a lone surrogate, which JSON allows and Unicode does not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return where, f"\\u{ord(value[e.start]):04x}"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        hit = _lone_surrogate(v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else str(k))
+        if hit:
+            return hit
+    return None
+
+
+def _check_text(data: Any, source: str, line: int | None, text: str) -> None:
+    if _SURROGATE_ESCAPE.search(text) and (hit := _lone_surrogate(data)):
+        raise DataError(source, line, hit[0] or None, f"a lone surrogate escape {hit[1]} (not valid Unicode; no tokenizer "
+                        "can encode it): fix or drop the text (a surrogate pair such as \\ud83d\\ude00 is fine)")
+
+
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    offset = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _utf8(raw, path, number, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -64,8 +103,34 @@ def _read_jsonl(path: Path) -> list[Row]:
                 raise DataError(str(path), number, None, f"invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(data, dict):
                 raise DataError(str(path), number, None, f"each line must be a JSON object, got {type(data).__name__}")
+            _check_text(data, str(path), number, line)
             rows.append(Row(data, str(path), number))
     return rows
+
+
+def _read_json(path: Path) -> list[Row]:
+    """A .json file: a list of objects (row i = element i, 1-based)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(str(path), None, None, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at byte offset {e.start} (line "
+                        f"{line}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 IN > OUT)") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = " (one object per line? name the file .jsonl)" if e.msg == "Extra data" else ""
+        raise DataError(str(path), None, None, f"invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}){hint}") from None
+    if not isinstance(data, list):
+        raise DataError(str(path), None, None, f"a .json dataset must be a list of objects, got {type(data).__name__}"
+                        + (" (JSON lines? name the file .jsonl)" if isinstance(data, dict) else ""))
+    for i, r in enumerate(data):
+        if not isinstance(r, dict):
+            raise DataError(str(path), i + 1, None, f"each element must be a JSON object, got {type(r).__name__}")
+        if _SURROGATE_ESCAPE.search(text):
+            _check_text(r, str(path), i + 1, text)
+    return _read_table(data, str(path))
 
 
 def _read_table(records: list[dict], source: str) -> list[Row]:
@@ -93,7 +158,9 @@ def read_rows(source: str | Path, seed: int = 0) -> list[Row]:
         try:
             ds = datasets.load_from_disk(str(path))
         except Exception as e:  # report what datasets said
-            raise UserError(f"{path}: not a datasets folder saved with save_to_disk ({e})") from None
+            files = sorted(p.name for p in path.iterdir() if p.suffix.lower() in (".jsonl", ".ndjson", ".json", ".parquet"))
+            hint = f"; to read a file in it, name it: data={path / files[0]}" if files else ""
+            raise UserError(f"{path}: not a datasets folder saved with save_to_disk ({e}){hint}") from None
         if isinstance(ds, datasets.DatasetDict):
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return _read_table(ds.to_list(), str(path))
@@ -101,13 +168,7 @@ def read_rows(source: str | Path, seed: int = 0) -> list[Row]:
     if suffix in (".jsonl", ".ndjson"):
         return _read_jsonl(path)
     if suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise DataError(str(path), e.lineno, None, f"invalid JSON ({e.msg})") from None
-        if not isinstance(data, list):
-            raise DataError(str(path), None, None, "a .json dataset must be a list of objects")
-        return _read_table(data, str(path))
+        return _read_json(path)
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 

@@ -18,15 +18,36 @@ import random
 from posttrain.data.tasks.arithmetic import arithmetic, single_digit_add, single_digit_add_heldout, single_digit_add_train
 from posttrain.data.tasks.code import humaneval_mini
 from posttrain.data.tasks.tool_math import multiply_3x2
+from posttrain.errors import UserError
 
 TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "single_digit_add_train": single_digit_add_train,
          "single_digit_add_heldout": single_digit_add_heldout, "humaneval_mini": humaneval_mini,
          "multiply_3x2": multiply_3x2}
 
 
-def generate(name: str, seed: int = 1234) -> list[dict]:
+NO_FIXED_SET = {"arithmetic"}  # drawn at random without a finite problem set: no `:all`
+
+
+def task_count(name: str) -> int | None:
+    """'task' -> 1000, 'task:200' -> 200, 'task:all' -> None (each problem once); anything else is refused naming
+    the forms there are."""
     base, _, count = name.partition(":")
-    rows = TASKS[base](None if count == "all" else int(count) if count else 1000, random.Random(seed))
+    forms = f"{base} (1000 rows), {base}:200 (a row count)" + ("" if base in NO_FIXED_SET else f", {base}:all (each problem once)")
+    if count == "all" and base in NO_FIXED_SET:
+        raise UserError(f"data '{name}': {base} draws new problems at random and has no fixed set to take 'all' of; "
+                        f"give a row count: {forms}")
+    if count == "all":
+        return None
+    if not count:
+        return 1000
+    if not count.isdigit() or int(count) < 1:
+        raise UserError(f"data '{name}': '{count}' is not a row count (a positive integer); the forms are: {forms}")
+    return int(count)
+
+
+def generate(name: str, seed: int = 1234) -> list[dict]:
+    base, _, _ = name.partition(":")
+    rows = TASKS[base](task_count(name), random.Random(seed))
     return [with_completion(r) for r in rows]
 
 

@@ -145,13 +145,15 @@ def test_generate_select_writes_one_kept_sample_per_prompt(tmp_path):
 
 
 def test_generate_select_refusals(tmp_path):
-    from posttrain.cli import main
+    from posttrain.rollout.cli import main
 
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     with pytest.raises(UserError, match="needs reward="):
-        main(["generate", "model=tiny-random", f"data={data}", "n=2", "select=best_of_n"])
+        main(["model=tiny-random", f"data={data}", "n=2", "select=best_of_n"])
     with pytest.raises(UserError, match="row 1: field 'answer' missing"):
-        main(["generate", "model=tiny-random", f"data={data}", "n=2", "select=best_of_n", "reward=math"])
+        main(["model=tiny-random", f"data={data}", "n=2", "select=best_of_n", "reward=math"])
+    with pytest.raises(UserError, match="reward model folder not found"):
+        main(["model=tiny-random", f"data={data}", "n=2", "select=best_of_n", f"reward=rm:{tmp_path / 'missing'}"])
 
 
 def test_serve_select_keeps_the_best_of_n_samples(tmp_path):

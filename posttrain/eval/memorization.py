@@ -20,7 +20,18 @@ import json
 from pathlib import Path
 
 from posttrain.eval import stats
-from posttrain.eval.contamination import row_texts
+
+
+def row_texts(value) -> list[str]:
+    """Every string inside a row (nested lists and dicts), in order; `role` keys skipped (as eval/contamination.py
+    reads rows: that module dispatches here, so it is not imported back)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [t for k, v in value.items() if k != "role" for t in row_texts(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in row_texts(v)]
+    return []
 
 
 def edit_distance(a: list, b: list) -> int:

@@ -4,6 +4,8 @@
 ("What is 3 + 5? Answer with just the number.") draws from the 81 single-digit pairs;
 `single_digit_add:all` is each pair once (an evaluation set); `single_digit_add_train` (54 pairs) and
 `single_digit_add_heldout` (the other 27) are a fixed split for training and honest held-out evaluation.
+`mixed_add_train` / `mixed_add_heldout` mix those with as many two-digit additions (easy and hard prompts, for
+the curriculum, docs/rl.md).
 `humaneval_mini:all` is 12 hand-written HumanEval-style code problems (`prompt` + `tests`, score with
 `code`). `multiply_3x2` is 3-digit × 2-digit multiplication for the calculator environment
 (`env=calculator`). Rows carry the
@@ -15,14 +17,21 @@ from __future__ import annotations
 
 import random
 
-from posttrain.data.tasks.arithmetic import arithmetic, single_digit_add, single_digit_add_heldout, single_digit_add_train
+from posttrain.data.tasks.arithmetic import (
+    arithmetic,
+    mixed_add_heldout,
+    mixed_add_train,
+    single_digit_add,
+    single_digit_add_heldout,
+    single_digit_add_train,
+)
 from posttrain.data.tasks.code import humaneval_mini
 from posttrain.data.tasks.tool_math import multiply_3x2
 from posttrain.errors import UserError
 
 TASKS = {"arithmetic": arithmetic, "single_digit_add": single_digit_add, "single_digit_add_train": single_digit_add_train,
          "single_digit_add_heldout": single_digit_add_heldout, "humaneval_mini": humaneval_mini,
-         "multiply_3x2": multiply_3x2}
+         "multiply_3x2": multiply_3x2, "mixed_add_train": mixed_add_train, "mixed_add_heldout": mixed_add_heldout}
 
 
 NO_FIXED_SET = {"arithmetic"}  # drawn at random without a finite problem set: no `:all`

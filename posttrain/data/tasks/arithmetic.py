@@ -53,3 +53,20 @@ def single_digit_add_train(n: int | None, rng: random.Random) -> list[dict]:
 def single_digit_add_heldout(n: int | None, rng: random.Random) -> list[dict]:
     """The 27 held-out pairs (every third of the 81): never drawn by `single_digit_add_train`."""
     return single_digit_add(n, rng, HELDOUT_PAIRS)
+
+
+# two-digit additions (harder for small models): a fixed pool of 81 pairs, split like the single-digit ones
+TWO_DIGIT_PAIRS = [(10 + i // 90, 10 + i % 90) for i in random.Random(27).sample(range(90 * 90), 81)]  # a, b in 10..99
+TWO_DIGIT_HELDOUT = TWO_DIGIT_PAIRS[1::3]
+TWO_DIGIT_TRAIN = [p for p in TWO_DIGIT_PAIRS if p not in TWO_DIGIT_HELDOUT]
+
+
+def mixed_add_train(n: int | None, rng: random.Random) -> list[dict]:
+    """Easy and hard prompts mixed: the 54 single-digit training pairs and 54 two-digit ones (a, b in 10..99),
+    n rows drawn uniformly from the 108; `mixed_add_heldout` has the other 27 + 27."""
+    return single_digit_add(n, rng, TRAIN_PAIRS + TWO_DIGIT_TRAIN)
+
+
+def mixed_add_heldout(n: int | None, rng: random.Random) -> list[dict]:
+    """The 27 held-out single-digit pairs, then 27 held-out two-digit pairs: never drawn by `mixed_add_train`."""
+    return single_digit_add(n, rng, HELDOUT_PAIRS + TWO_DIGIT_HELDOUT)

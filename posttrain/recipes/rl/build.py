@@ -41,7 +41,7 @@ from posttrain.rollout.backends import build_backend
 from posttrain.rollout.trajectory import Trajectory, make_batches
 from posttrain.systems import fsdp
 from posttrain.systems.dist import rank_device
-from posttrain.training.data_order import EpochSampler
+from posttrain.training.curriculum import BandSampler, make_sampler, prompt_of, restore_sampler
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.memprobe import activation_fit
 from posttrain.training.optim import build_optimizer
@@ -84,7 +84,8 @@ def setup(cfg: RLConfig) -> RLRun:
     optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.max_steps)
     beta = cfg.resolved_beta
     kl_ctl = AdaptiveKLController(beta, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target and beta > 0 else FixedKLController(beta)
-    run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler, EpochSampler(len(rows), cfg.seed),
+    sampler = make_sampler(cfg.curriculum, cfg.curriculum_args, [prompt_of(r.data) for r in rows], cfg.seed)
+    run = RLRun(cfg, life, tok, rows, reward_fn, model, ref, engine, optimizer, scheduler, sampler,
                 kl_ctl, advantage_fn(cfg, critic), None if cfg.algo == "online_dpo" else policy_losses.get(cfg.resolved_loss),
                 cfg.resolved_agg,
                 cfg.resolved_dynamic_sampling, cfg.resolved_tis_cap,
@@ -92,11 +93,12 @@ def setup(cfg: RLConfig) -> RLRun:
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
                                     verifiers=verifier_weights(reward_fn)))
     run.entropy_ctl = entropy_controller(cfg)
+    run.curriculum = sampler if isinstance(sampler, BandSampler) else None
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())
     if state:
-        run.sampler.load(state["sampler"])
+        restore_sampler(run.sampler, state["sampler"])
         kl_ctl.value = state.get("beta", kl_ctl.value)
         run.alarms.load(state.get("alarms", {}))
         if run.drift is not None:

@@ -20,6 +20,7 @@ from posttrain.monitor.alarms import AlarmSettings
 from posttrain.recipes.rl.options import check_rl_options
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
+from posttrain.training.curriculum import curriculum_args
 from posttrain.training.optim import OptimSettings
 
 BETA_NAMES = ", ".join(f"{k} {v:g}" for k, v in BETA_PRESETS.items())
@@ -100,6 +101,9 @@ class RLConfig(CommonConfig):
     tis_cap: float | None = Field(None, ge=0, description="truncated importance sampling cap on π_old/μ; None = 2.0 when trainer and sampler differ in precision, else off; 0 = off")
     dynamic_sampling: bool | None = Field(None, description="drop groups whose rewards are all equal and refill (default: the algo's)")
     max_resample: int = Field(3, ge=0, description="extra generation rounds to refill after dynamic sampling")
+    curriculum: str = Field("none", pattern="^(none|band)$",
+                            description="none (the data order, unchanged) | band: track each prompt's pass rate and draw prompts outside low < p < high less often (docs/rl.md)")
+    curriculum_args: dict = Field(default_factory=dict, description="curriculum=band: {low: 0.2, high: 0.8, pass_threshold: 0.5, floor: 0.1, rate: 0.5} (posttrain/training/curriculum.py)")
     mask_truncated: bool = Field(False, description="leave samples cut at max_new_tokens out of the loss")
     ppo_epochs: int | None = Field(None, ge=1, description="passes over each batch of samples (None = the algo's preset: 2 for ppo, else 1 = strictly on-policy)")
     ppo_minibatches: int | None = Field(None, ge=1, description="optimizer steps per pass, the batch split in whole micro-batches (None = the preset: 2 for ppo, else 1)")
@@ -166,6 +170,18 @@ class RLConfig(CommonConfig):
             raise ValueError("lora with ref_update_every: the LoRA reference is the base model (adapter off) and does not move")
         if self.lora.enabled and self.systems.pipelined:
             raise ValueError("lora with async_rl / cluster=ray: the rollout worker's copy takes full weights; train without lora or synchronously")
+        return self
+
+    @model_validator(mode="after")
+    def _check_curriculum(self):
+        if self.curriculum == "none":
+            if self.curriculum_args:
+                raise ValueError("curriculum_args is set but curriculum=none: add curriculum=band")
+            return self
+        curriculum_args(self.curriculum_args)  # bad keys, bounds
+        if self.systems.pipelined:
+            raise ValueError("curriculum=band with async_rl / cluster=ray: the producer draws prompts ahead of the "
+                             "rewards the band needs; drop async_rl / cluster=ray or use curriculum=none")
         return self
 
     @property

@@ -26,6 +26,7 @@ from posttrain.data.templates import render_prompt
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.run import RLRun
 from posttrain.rollout.trajectory import Trajectory
+from posttrain.training.curriculum import BandSampler, prompt_of
 
 
 class GroupRollout:
@@ -41,6 +42,8 @@ class GroupRollout:
         def produce(rows: list[Row], first: int, rounds: int) -> list[Trajectory]:
             rows_by_group.update({first + j: r for j, r in enumerate(rows)})
             new, metrics = self.produce(run, step, rows, first, ph.batch_seed(run.cfg.seed, step, rounds), rows_by_group)
+            if run.curriculum is not None:  # every group scored, dropped ones too: the band learns from them
+                observe_groups(run.curriculum, rows_by_group, new)
             if rounds == 0:
                 first_metrics.update(metrics)
             return new
@@ -48,7 +51,8 @@ class GroupRollout:
         kept, dynamic = ph.refill_groups(run, produce)
         if self.one_prompt_per_group:
             assert all(len({tuple(t.prompt_ids) for t in kept if t.group == g}) == 1 for g in {t.group for t in kept})
-        return kept, {**self.finish_metrics(run, step, first_metrics), **dynamic}
+        band = run.curriculum.step_metrics() if run.curriculum is not None else {}
+        return kept, {**self.finish_metrics(run, step, first_metrics), **dynamic, **band}
 
     def produce(self, run: RLRun, step: int, rows: list[Row], first: int, seed: int,
                 rows_by_group: dict[int, Row]) -> tuple[list[Trajectory], dict]:
@@ -87,6 +91,15 @@ class SyncRollout(GroupRollout):
         with run.timer("reward"):
             ph.score(run.reward_fn, rows_by_group, new)
         return new, run.reward_fn.last_metrics
+
+
+def observe_groups(curriculum: BandSampler, rows_by_group: dict[int, Row], trajs: list[Trajectory]) -> None:
+    """Each group's rewards into the curriculum's pass rate of its row's prompt."""
+    rewards: dict[int, list] = {}
+    for t in trajs:
+        rewards.setdefault(t.group, []).append(t.reward)
+    for g, values in rewards.items():
+        curriculum.observe(prompt_of(rows_by_group[g].data), values)
 
 
 def sampled_plan_inputs(run: RLRun) -> dict:

@@ -33,6 +33,7 @@ from posttrain.rollout.signals import EngineWindow
 from posttrain.rollout.trajectory import Trajectory
 from posttrain.rollout.types import Request, RequestOutput
 from posttrain.systems.dist import DistInfo
+from posttrain.training.curriculum import BandSampler
 from posttrain.training.data_order import EpochSampler
 from posttrain.training.lifecycle import RunLifecycle
 
@@ -86,7 +87,7 @@ class RLRun:
     engine: Sampler  # rollout.engine.Engine over the policy's weights, or async_rl.TrainerEngine
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: EpochSampler  # the data order (its position is checkpointed)
+    sampler: EpochSampler | BandSampler  # the data order (its position, or the curriculum's rates, checkpointed)
     kl_ctl: FixedKLController | AdaptiveKLController
     adv_fn: Callable | None  # outcome advantages (registry posttrain.algos.advantages); None for PPO (GAE)
     loss_fn: Callable | None  # policy loss (registry posttrain.algos.policy_losses); None for online DPO
@@ -103,6 +104,7 @@ class RLRun:
     alarms: AlarmMonitor = field(default_factory=AlarmMonitor)
     eval_hook: EvalHook | None = None
     drift: DriftProbe | None = None  # KL to the start policy when no reference is held (β = 0)
+    curriculum: BandSampler | None = None  # curriculum=band: the sampler itself, fed each group's rewards
     engine_window: EngineWindow = field(default_factory=EngineWindow)  # the engine's counters at the last row
     entropy_ctl: FixedEntropyCoef | AdaptiveEntropyCoef = field(default_factory=FixedEntropyCoef)  # entropy bonus coefficient
 

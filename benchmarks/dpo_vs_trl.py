@@ -17,10 +17,14 @@ over the pairs. --trl-defaults keeps TRL's own DPOConfig defaults for everything
 
 The sides alternate: a TRL callback runs one posttrain step (`dpo.dpo_step`) at every TRL step end. The
 first --warmup steps of each side are not timed. Prints per-step times, the first-step DPO loss and
-log-probs of both sides (fp32: they agree within 1e-4), then `speedup: N.NNx` in pairs/s.
+log-probs of both sides (fp32: they agree within 1e-4), the per-phase table of both sides
+(benchmarks/phases.py: reference, forward, backward, optimizer, other; achieved FLOP/s against the matmul peak
+measured in the run; posttrain's reference pass runs before training and is shown per step), then
+`speedup: N.NNx` in pairs/s. --profile DIR writes a torch profiler trace of the last warm-up step of each side (untimed).
 
     .venv/bin/pip install -e '.[bench]'
     .venv/bin/python benchmarks/dpo_vs_trl.py [--steps 12] [--warmup 2] [--batch 8] [--precision fp32|bf16] [--threads 1]
+        [--profile DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
 
 MODEL = "smollm2-135m-instruct"
 LR, BETA = 5e-7, 0.1
@@ -62,7 +67,7 @@ def posttrain_run(args, data: str, out: str):
     from posttrain.recipes import dpo
 
     cfg = parse_args(dpo.DPOConfig, [
-        f"model={MODEL}", f"data={data}", f"output_dir={out}", f"max_steps={args.steps}", f"seed={args.seed}",
+        f"model={args.model}", f"data={data}", f"output_dir={out}", f"max_steps={args.steps}", f"seed={args.seed}",
         "loss=dpo", f"beta={BETA}", f"batch_size={args.batch}", "micro_batch_tokens=65536", "max_length=1024",
         f"optim.lr={LR}", "optim.schedule=linear", "optim.warmup_steps=0", "optim.warmup_ratio=0", "optim.min_lr_ratio=0",
         "optim.weight_decay=0", "optim.max_grad_norm=1.0", "eval_fraction=0", "eval_every=0", "length_probe.prompts=0",
@@ -95,6 +100,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/dpo_vs_trl.json")
+    p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
@@ -110,7 +117,7 @@ def main() -> None:
     from posttrain.training.data_order import EpochSampler
 
     n = args.batch * args.steps  # one epoch: every pair once on each side
-    print(f"threads={args.threads} model={MODEL} pairs={n} batch={args.batch} steps={args.steps} warmup={args.warmup} "
+    print(f"threads={args.threads} model={args.model} pairs={n} batch={args.batch} steps={args.steps} warmup={args.warmup} "
           f"precision={args.precision} trl_precompute={args.trl_precompute} trl_defaults={args.trl_defaults}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         pairs = arithmetic_pairs(n)
@@ -145,33 +152,81 @@ def main() -> None:
             def on_train_begin(self, a, state, control, **kw):
                 self.mark = time.perf_counter()
 
+            def on_step_begin(self, a, state, control, **kw):
+                if len(self.pt) == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
+                    trace.start("trl")
+                clock.start("trl", counting=len(self.pt) >= args.warmup)
+
             def on_step_end(self, a, state, control, **kw):
+                clock.stop()
+                trace.stop()
                 t = time.perf_counter()
                 self.trl.append(t - self.mark)
                 m = trainer._metrics["train"]
                 self.trl_logps.append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
-                row = dpo.dpo_step(run, len(self.pt))
+                if len(self.pt) == args.warmup - 1:
+                    trace.start("posttrain")
+                with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
+                    row = dpo.dpo_step(run, len(self.pt))
+                trace.stop()
                 self.pt.append(time.perf_counter() - t)
                 self.pt_rows.append(row)
                 print(f"step {len(self.pt):3d}  trl {self.trl[-1]:6.2f}s  posttrain {self.pt[-1]:6.2f}s", flush=True)
                 self.mark = time.perf_counter()
 
+        clock, trace = PhaseClock(), Trace(args.profile)
         alt = Alternate()
         ds = datasets.Dataset.from_list([pairs[i] for i in order])
-        trainer = DPOTrainer(model=load_model(MODEL), args=trl_args(args, f"{tmp}/trl"), train_dataset=ds,
-                             processing_class=load_tokenizer(MODEL), callbacks=[alt])
+        policy = load_model(args.model)
+        # TRL builds its reference from the policy's path; a model built from a config (tiny-random) has none
+        ref = None if policy.name_or_path or args.trl_precompute else load_model(args.model)
+        trainer = DPOTrainer(model=policy, ref_model=ref, args=trl_args(args, f"{tmp}/trl"), train_dataset=ds,
+                             processing_class=load_tokenizer(args.model), callbacks=[alt])
         trainer.remove_callback(PrinterCallback)
         if not args.trl_precompute:  # the same tokens on both sides
             trainer.train_dataset = datasets.Dataset.from_list(tokens)
         else:
             same = [(r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in trainer.train_dataset]
             print(f"TRL's own tokenization equals posttrain's: {same == [tuple(t.values()) for t in tokens]}")
-        trainer.train()
+        instrument(clock, run, trainer)
+        peak = measure_peak("bf16" if args.precision == "bf16" else "fp32", args.threads)
+        try:
+            trainer.train()
+        finally:
+            clock.restore()
         history = trainer.state.log_history
-    report(args, alt, history, run, n, pt_setup, trl_precompute_s[0])
+    # posttrain's reference pass ran once before training: its share per timed step, FLOPs of one forward per pair
+    clock.seconds["posttrain"]["reference"] += run.ref.seconds * (args.steps - args.warmup) / args.steps
+    clock.flops["posttrain"]["reference"] += clock.flops["posttrain"].get("forward", 0.0)
+    for side in ("trl", "posttrain"):  # backward: twice the policy forward (grads of inputs and of weights)
+        clock.flops[side]["backward"] = 2 * clock.flops[side].get("forward", 0.0)
+    print("\n" + table(clock, ["trl", "posttrain"], peak))
+    report(args, alt, history, run, n, pt_setup, trl_precompute_s[0], as_json(clock, ["trl", "posttrain"], peak))
 
 
-def report(args, alt, history, run, n: int, pt_setup: float, trl_precompute: float) -> None:
+def instrument(clock: PhaseClock, run, trainer) -> None:
+    """Time both sides' phases (benchmarks/phases.py) and count their FLOPs from the shapes each computes."""
+    from posttrain.recipes import dpo
+
+    n_body, vh = body_params(run.model), run.model.get_output_embeddings().weight.numel()
+
+    def pt_forward(a, k, out):  # one packed forward per micro-batch: each prompt once, both completions
+        examples = [run.train[i] for i in a[1]]
+        completions = sum(len(c.input_ids) for e in examples for c in e.continuations)
+        return flops_forward(n_body, vh, sum(len(e.prompt_ids) for e in examples) + completions, completions)
+
+    def trl_forward(a, k, out):  # padded (2B, T) rows: prompt repeated for chosen and rejected, logits everywhere
+        ids = a[1]["input_ids"]
+        return flops_forward(n_body, vh, ids.numel(), ids.numel())
+
+    clock.hook_torch()
+    clock.wrap(dpo, "accumulate", "forward", pt_forward)
+    clock.wrap(trainer, "compute_loss", "forward", trl_forward)
+    if getattr(trainer, "ref_model", None) is not None:  # TRL's default: a reference forward every step
+        clock.wrap(trainer.ref_model, "forward", "reference", lambda a, k, out: trl_forward((None, k), {}, out))
+
+
+def report(args, alt, history, run, n: int, pt_setup: float, trl_precompute: float, phases: dict) -> None:
     w, b = args.warmup, args.batch
     ref_s = run.ref.seconds  # posttrain's reference pass over all n pairs, before training
     pt_time = sum(alt.pt[w:]) + ref_s * (args.steps - w) / args.steps
@@ -187,6 +242,7 @@ def report(args, alt, history, run, n: int, pt_setup: float, trl_precompute: flo
         "posttrain": {"pairs_per_s": pairs / pt_time, "step_s": alt.pt, "median_step_s": statistics.median(alt.pt[w:]),
                       "reference_s": ref_s, "setup_s": pt_setup, "first_loss": pt_loss, "first_logps": pt_lp,
                       "reference": run.ref.stats()},
+        "phases": phases,
         "loss_by_step": {"trl": [h["loss"] for h in history if "loss" in h], "posttrain": [r["loss"] for r in alt.pt_rows]},
     }
     speedup = results["posttrain"]["pairs_per_s"] / results["trl"]["pairs_per_s"]

@@ -9,7 +9,9 @@ prompts × samples × new_tokens tokens. HF runs one padded batch with num_retur
 (its fastest usage); the engine gets one request per prompt with n=samples. Each side is timed
 `repeats` times after a warm-up, alternating, and the best time is kept (the machine is shared).
 Decode FLOPs = 2·(linear params incl. lm_head)·tokens + 4·layers·heads·head_dim·context per token;
-the peak is the best 2048³ matmul in the same dtype, in this process, with the same thread count.
+the peak is the best 2048³ matmul in the same dtype, in this process, with the same thread count. Prefill is
+reported the same way (each prompt once), and decode's memory side: the bytes a step must read at least
+(every weight once, each sample's KV over its context) per second, against a large copy's bandwidth.
 Writes benchmarks/results/engine_vs_hf.json.
 """
 
@@ -51,17 +53,42 @@ def _timed(fn, device: str | torch.device = "cpu") -> float:
 
 def decode_flops(model, prompt_lens: list[int], samples: int, new_tokens: int) -> float:
     """FLOPs of the decode steps (tokens 2..new_tokens of every sample; token 1 comes from the prefill)."""
-    cfg = model.config
-    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
-    if cfg.tie_word_embeddings:
-        linear += model.lm_head.weight.numel()
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    attn_per_ctx = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
+    linear, attn_per_ctx = _linear_and_attention(model)
     total = 0.0
     for L in prompt_lens:
         for t in range(1, new_tokens):  # feeding the t-th generated token; context L + t
             total += samples * (2 * linear + attn_per_ctx * (L + t))
     return total
+
+
+def prefill_flops(model, prompt_lens: list[int]) -> float:
+    """FLOPs of the prefill: every prompt once (the engine shares it among the samples), logits at its last token."""
+    linear, attn_per_ctx = _linear_and_attention(model)
+    head = model.get_output_embeddings().weight.numel()
+    return sum(2 * (linear - head) * L + 2 * head + attn_per_ctx * L * (L + 1) / 2 for L in prompt_lens)
+
+
+def decode_bytes(model, prompt_lens: list[int], samples: int, new_tokens: int) -> float:
+    """Bytes a decode step must read at least, summed over the steps: every weight once per step (shared by the
+    batch) and each sample's KV cache over its context. Decode at small batch is bound by this, not by FLOPs."""
+    cfg = model.config
+    size = next(model.parameters()).element_size()
+    linear, _ = _linear_and_attention(model)
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * size
+    total = 0.0
+    for t in range(1, new_tokens):
+        total += linear * size + sum(samples * kv_per_token * (L + t) for L in prompt_lens)
+    return total
+
+
+def _linear_and_attention(model) -> tuple[int, int]:
+    cfg = model.config
+    linear = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    if cfg.tie_word_embeddings:
+        linear += model.lm_head.weight.numel()
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return linear, 4 * cfg.num_hidden_layers * cfg.num_attention_heads * hd
 
 
 def chat_prompts(tok, count: int) -> list[list[int]]:
@@ -112,6 +139,9 @@ def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64
             en_metrics = engine.metrics()
     peak = matmul_peak(next(model.parameters()).dtype, device=device)
     flops = decode_flops(model, lens, samples, new_tokens)
+    bandwidth = copy_bandwidth(device)
+    traffic = decode_bytes(model, lens, samples, new_tokens)
+    pre = prefill_flops(model, lens)
     hf_tps, en_tps = n_tokens / min(hf_t), n_tokens / min(en_t)
     return {
         "device": str(device), "threads": torch.get_num_threads(), "prompts": prompts, "samples": samples,
@@ -120,7 +150,19 @@ def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64
         "speedup": en_tps / hf_tps, "engine_metrics": en_metrics,
         "matmul_peak_gflops": peak / 1e9, "decode_gflops": flops / en_metrics["decode_s"] / 1e9,
         "decode_flops_over_peak": flops / en_metrics["decode_s"] / peak,
+        "prefill_gflops": pre / en_metrics["prefill_s"] / 1e9, "prefill_flops_over_peak": pre / en_metrics["prefill_s"] / peak,
+        "copy_bandwidth_gbs": bandwidth / 1e9, "decode_min_gbs": traffic / en_metrics["decode_s"] / 1e9,
+        "decode_bytes_over_bandwidth": traffic / en_metrics["decode_s"] / bandwidth,
     }
+
+
+def copy_bandwidth(device, mib: int = 256, reps: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write) on `device`, best of `reps`."""
+    src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src), device) for _ in range(reps))
+    return 2 * src.numel() / best
 
 
 def report(result: dict, dtype: str) -> None:
@@ -129,7 +171,9 @@ def report(result: dict, dtype: str) -> None:
     print(f"HF generate     : {r['hf_tokens_per_s']:8.1f} tok/s   (best of {len(r['hf_seconds'])}: {min(r['hf_seconds']):.2f} s)")
     print(f"posttrain engine: {r['engine_tokens_per_s']:8.1f} tok/s   (best of {len(r['engine_seconds'])}: {min(r['engine_seconds']):.2f} s; prefill {m['prefill_s']:.2f} s, decode {m['decode_s']:.2f} s)")
     print(f"speedup         : {r['speedup']:.2f}x")
+    print(f"prefill         : {r['prefill_gflops']:.1f} GFLOP/s achieved / {r['matmul_peak_gflops']:.1f} GFLOP/s {dtype} matmul peak = {r['prefill_flops_over_peak']:.1%}")
     print(f"decode          : {r['decode_gflops']:.1f} GFLOP/s achieved / {r['matmul_peak_gflops']:.1f} GFLOP/s {dtype} matmul peak = {r['decode_flops_over_peak']:.1%}")
+    print(f"decode memory   : >= {r['decode_min_gbs']:.1f} GB/s of weights + KV read / {r['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth = {r['decode_bytes_over_bandwidth']:.1%}")
     print(f"engine metrics  : {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})}")
 
 

@@ -19,10 +19,14 @@ The sides alternate: a TRL callback runs one posttrain step (`rl.rl_step`) at ev
 posttrain's step time is the wall time of rl_step; TRL's is the time between its step ends minus the
 posttrain step inside. The first --warmup steps of each side are not timed (oneDNN kernel builds,
 first-call costs). Prints mean/median s/step, both rewards per step, the last-5-steps mean reward, and
-finally `speedup: N.NNx` (TRL median s/step / posttrain median s/step).
+finally `speedup: N.NNx` (TRL median s/step / posttrain median s/step). Before it, the per-phase table of
+both sides (benchmarks/phases.py: generate, reward, old/ref log-probs, forward, backward, optimizer, weight
+sync, logging, other; seconds per step and achieved FLOP/s against the matmul peak measured in the run).
+--profile DIR writes a torch profiler trace of the last warm-up step of each side (untimed).
 
     .venv/bin/pip install -e '.[bench]'
     .venv/bin/python benchmarks/grpo_vs_trl.py [--steps 20] [--warmup 2] [--precision bf16|fp32] [--trl-defaults]
+        [--profile DIR]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
@@ -49,7 +54,7 @@ def posttrain_config(args, out_dir: str):
     from posttrain.recipes import rl
 
     return rl.RLConfig.model_validate({
-        "model": MODEL, "data": "single_digit_add:2000", "output_dir": out_dir, "max_steps": args.steps,
+        "model": args.model, "data": "single_digit_add:2000", "output_dir": out_dir, "max_steps": args.steps,
         "seed": args.seed, "algo": "grpo", "beta": 0.0, "reward": "math", "reward_args": REWARD_OPTIONS,
         "prompts_per_step": PROMPTS, "group_size": GROUP, "ppo_epochs": 1, "dtype": "float32",
         "mixed_precision": "bf16" if args.precision == "bf16" else "none", "device": "cpu",
@@ -103,6 +108,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/grpo_vs_trl.json")
+    p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
@@ -120,7 +127,7 @@ def main() -> None:
 
     task, equal = trl_settings(args)
     changed = default_changes(equal) if args.trl_defaults else {}
-    print(f"threads={args.threads} model={MODEL} steps={args.steps} warmup={args.warmup} precision={args.precision} "
+    print(f"threads={args.threads} model={args.model} steps={args.steps} warmup={args.warmup} precision={args.precision} "
           f"trl_defaults={args.trl_defaults}", flush=True)
     if changed:
         print("TRL defaults kept (default vs matched): "
@@ -142,6 +149,8 @@ def main() -> None:
             trl_prompts.append([pr[-1]["content"] for pr in prompts[::GROUP]])
             return reward(prompts, completions, **kw)
 
+        clock, trace = PhaseClock(), Trace(args.profile)
+
         class Alternate(TrainerCallback):
             """At every TRL step end: note TRL's step time, then run one posttrain step."""
 
@@ -151,10 +160,21 @@ def main() -> None:
             def on_train_begin(self, a, state, control, **kw):
                 self.mark = time.perf_counter()
 
+            def on_step_begin(self, a, state, control, **kw):
+                if len(self.pt) == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
+                    trace.start("trl")
+                clock.start("trl", counting=len(self.pt) >= args.warmup)
+
             def on_step_end(self, a, state, control, **kw):
+                clock.stop()
+                trace.stop()
                 t = time.perf_counter()
                 self.trl.append(t - self.mark)
-                row = rl.rl_step(run, len(self.pt))
+                if len(self.pt) == args.warmup - 1:
+                    trace.start("posttrain")
+                with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
+                    row = rl.rl_step(run, len(self.pt))
+                trace.stop()
                 t2 = time.perf_counter()
                 self.pt.append(t2 - t)
                 self.pt_rows.append(row)
@@ -165,8 +185,8 @@ def main() -> None:
 
         alt = Alternate()
         targs = GRPOConfig(output_dir=f"{tmp}/trl", **task, **({} if args.trl_defaults else equal))
-        trainer = GRPOTrainer(model=load_model(MODEL), reward_funcs=[math], args=targs, train_dataset=ds,
-                              processing_class=load_tokenizer(MODEL), callbacks=[alt])
+        trainer = GRPOTrainer(model=load_model(args.model), reward_funcs=[math], args=targs, train_dataset=ds,
+                              processing_class=load_tokenizer(args.model), callbacks=[alt])
         trainer.remove_callback(PrinterCallback)  # our own per-step line instead of TRL's log dicts
         alt.trainer = trainer
         trl_gen: list[float] = []
@@ -179,7 +199,12 @@ def main() -> None:
             return out
 
         trainer._generate_and_score_completions = timed_generate
-        trainer.train()
+        instrument(clock, run, trainer)
+        peak = measure_peak("bf16" if args.precision == "bf16" else "fp32", args.threads)
+        try:
+            trainer.train()
+        finally:
+            clock.restore()
         history = trainer.state.log_history
 
     w = args.warmup
@@ -198,6 +223,10 @@ def main() -> None:
         "same_prompts": trl_prompts[: args.steps] == expected,
         "trl_defaults_changed": {k: {"trl_default": d, "matched": v} for k, (d, v) in changed.items()},
     }
+    for side in ("trl", "posttrain"):  # backward: twice the training forward (grads of inputs and of weights)
+        clock.flops[side]["backward"] = 2 * clock.flops[side].get("forward", 0.0)
+    print("\n" + table(clock, ["trl", "posttrain"], peak))
+    results["phases"] = as_json(clock, ["trl", "posttrain"], peak)
     speedup = results["trl"]["median_s"] / results["posttrain"]["median_s"]
     results["speedup_median"] = speedup
     results["speedup_mean"] = results["trl"]["mean_s"] / results["posttrain"]["mean_s"]
@@ -213,6 +242,49 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), **results}, indent=1))
     print(f"speedup: {speedup:.2f}x")
+
+
+def instrument(clock: PhaseClock, run, trainer) -> None:
+    """Time both sides' phases (benchmarks/phases.py) and count their FLOPs from the shapes each computes."""
+    from posttrain.recipes.rl import phases as ph
+    from posttrain.recipes.rl import step as rl_step_module
+
+    n_body, vh = body_params(run.model), run.model.get_output_embeddings().weight.numel()
+
+    def pt_generate(a, k, trajs):  # the engine prefills each group's prompt once, then decodes every sample
+        prompts = {tuple(t.prompt_ids) for t in trajs}
+        generated = sum(len(t.response_ids) for t in trajs)
+        return flops_forward(n_body, vh, sum(map(len, prompts)) + generated, generated)
+
+    def pt_forward(a, k, out):  # one packed row (shared prompt), logits only at the loss tokens
+        return flops_forward(n_body, vh, a[1].input_ids.numel(), a[1].targets.numel())
+
+    clock.hook_torch()
+    clock.wrap(ph, "generate", "generate", pt_generate)
+    clock.wrap(ph, "score", "reward")
+    clock.wrap(ph, "reference_logps", "reference")
+    clock.wrap(ph, "policy_logps", lambda c: c.parent() if c.parent() in ("reference", "kl probe") else "forward",
+               pt_forward)
+    clock.wrap(run.rollout, "sync_weights", "weight sync")
+    clock.wrap(rl_step_module, "log_step", "logging")
+    if run.drift is not None:
+        clock.wrap(run.drift, "measure", "kl probe")
+
+    def trl_generate(a, k, out):  # HF generate: a padded batch, every row decodes until the longest ends
+        prompt_ids, completion_ids = out[0], out[1]
+        rows, longest = len(prompt_ids), max(map(len, completion_ids))
+        return flops_forward(n_body, vh, rows * (max(map(len, prompt_ids)) + longest), rows * longest)
+
+    def trl_forward(a, k, out):  # padded (B, P + C) rows, logits for the last logits_to_keep positions
+        ids, keep = a[1], a[3]
+        return flops_forward(n_body, vh, ids.numel(), ids.shape[0] * keep)
+
+    clock.wrap(trainer, "_generate_and_score_completions", "prepare")
+    clock.wrap(trainer, "_generate", "generate", trl_generate)
+    clock.wrap(trainer, "_calculate_rewards", "reward")
+    clock.wrap(trainer, "compute_loss", "loss")
+    clock.wrap(trainer, "_get_per_token_logps_and_entropies",
+               lambda c: "forward" if c.parent() == "loss" else "old/ref log-probs", trl_forward)
 
 
 def trl_reward_at(history: list[dict], step: int) -> float:

@@ -8,10 +8,12 @@ TRL's default `bf16=True`), no activation checkpointing on either side (TRL's SF
 by default; --trl-defaults keeps TRL's defaults instead, for reference).
 Both are timed per optimizer step after --warmup steps; tokens are real (non-padding) tokens. The two
 sides run alternately --repeats times and the best run of each is compared.
-Also prints the raw forward+backward rate of the bare HF model on one packed row as the ceiling.
+Also prints the raw forward+backward rate of the bare HF model on one packed row as the ceiling, and the
+per-phase table of both sides (benchmarks/phases.py: forward, backward, optimizer, other; achieved FLOP/s
+against the matmul peak measured in the run). --profile DIR writes a torch profiler trace of the last warm-up step of each side (untimed).
 
     .venv/bin/pip install -e '.[bench]'
-    .venv/bin/python benchmarks/sft_vs_trl.py [--steps 6] [--max-length 512] [--repeats 2]
+    .venv/bin/python benchmarks/sft_vs_trl.py [--steps 6] [--max-length 512] [--repeats 2] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -27,8 +29,32 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
 
 MODEL = "smollm2-135m-instruct"
+CLOCK, TRACE = PhaseClock(), Trace(None)
+
+
+def instrument_posttrain(args) -> None:
+    """Step boundaries and the forward of posttrain's SFT step (backward/optimizer: PhaseClock.hook_torch)."""
+    from posttrain.recipes import sft
+
+    step_fn = sft.sft_step
+
+    def timed_step(run, step):
+        if not hasattr(run, "_bench_sizes"):
+            run._bench_sizes = (body_params(run.model), run.model.get_output_embeddings().weight.numel())
+            CLOCK.wrap(sft, "token_logprobs", "forward", lambda a, k, out: flops_forward(
+                *run._bench_sizes, a[1].input_ids.numel(), a[1].num_loss_tokens))
+        if step == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
+            TRACE.start("posttrain")
+        with CLOCK.step("posttrain", counting=step >= args.warmup):
+            row = step_fn(run, step)
+        TRACE.stop()
+        return row
+
+    sft.sft_step = timed_step
+    CLOCK._undo.append(lambda: setattr(sft, "sft_step", step_fn))
 
 
 def run_posttrain(args, data_rows) -> dict:
@@ -39,13 +65,18 @@ def run_posttrain(args, data_rows) -> dict:
         data = Path(tmp) / "data.jsonl"
         data.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in data_rows))
         cfg = parse_args(sft.SFTConfig, [
-            f"model={MODEL}", f"data={data}", f"output_dir={tmp}/run", f"max_steps={args.steps + args.warmup}",
+            f"model={args.model}", f"data={data}", f"output_dir={tmp}/run", f"max_steps={args.steps + args.warmup}",
             f"batch_size={args.batch}", f"micro_batch_size={args.micro}", f"max_length={args.max_length}",
             "optim.lr=2e-5", "optim.warmup_steps=0", "eval_fraction=0", "eval_every=0", "sample_every=0",
             "save_every=0", "forgetting_probe=false", "progress=false",
             f"mixed_precision={'bf16' if args.precision == 'bf16' else 'none'}",
         ])
-        sft.train(cfg)
+        instrument_posttrain(args)
+        try:
+            sft.train(cfg)
+        finally:
+            CLOCK.restore()
+            CLOCK.hook_torch()
         rows = [json.loads(l) for l in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()][args.warmup:]
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["tokens"] / r["tokens_per_s"] for r in rows)
@@ -64,10 +95,15 @@ def run_trl(args, data_rows) -> dict:
             self.records = []
 
         def on_step_begin(self, a, state, control, **kw):
+            if len(self.records) == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
+                TRACE.start("trl")
+            CLOCK.start("trl", counting=len(self.records) >= args.warmup)
             self.t0, self.seen0 = time.perf_counter(), state.num_input_tokens_seen
 
         def on_step_end(self, a, state, control, **kw):
             self.records.append((time.perf_counter() - self.t0, state.num_input_tokens_seen - self.seen0))
+            CLOCK.stop()
+            TRACE.stop()
 
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +116,16 @@ def run_trl(args, data_rows) -> dict:
             assistant_only_loss=False, seed=0, disable_tqdm=True,
             **({} if args.trl_defaults else {"bf16": args.precision == "bf16", "gradient_checkpointing": False}),
         )
-        trainer = SFTTrainer(model=load_model(MODEL), args=targs, train_dataset=ds,
-                             processing_class=load_tokenizer(MODEL), callbacks=[timer])
-        trainer.train()
+        trainer = SFTTrainer(model=load_model(args.model), args=targs, train_dataset=ds,
+                             processing_class=load_tokenizer(args.model), callbacks=[timer])
+        sizes = body_params(trainer.model), trainer.model.get_output_embeddings().weight.numel()
+        CLOCK.wrap(trainer, "compute_loss", "forward",  # HF's loss: logits at every position
+                   lambda a, k, out: flops_forward(*sizes, a[1]["input_ids"].numel(), a[1]["input_ids"].numel()))
+        try:
+            trainer.train()
+        finally:
+            CLOCK.restore()
+            CLOCK.hook_torch()
     recs = timer.records[args.warmup:]
     tokens = sum(t for _, t in recs)
     seconds = sum(s for s, _ in recs)
@@ -93,7 +136,7 @@ def raw_rate(args) -> dict:
     """The bare model: forward (HF loss over all positions) + backward on one full packed row, no optimizer."""
     from posttrain.models.loading import load_model
 
-    model = load_model(MODEL)
+    model = load_model(args.model)
     ids = torch.randint(0, model.config.vocab_size, (1, args.max_length))
     times = []
     for _ in range(3):
@@ -119,12 +162,17 @@ def main() -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="both sides: fp32, or bf16 autocast")
     p.add_argument("--trl-defaults", action="store_true", help="TRL with its own defaults (bf16 autocast + activation checkpointing)")
     p.add_argument("--out", default="")
+    p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
+    p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
     args = p.parse_args()
+    TRACE.folder = args.profile
+    CLOCK.hook_torch()
+    peak = measure_peak("bf16" if args.precision == "bf16" else "fp32", torch.get_num_threads())
     from posttrain.data.tasks import generate
 
     data_rows = generate(f"arithmetic:{args.rows}")
     args.out = args.out or f"benchmarks/results/sft_vs_trl_{args.precision}{'_trl_defaults' if args.trl_defaults else ''}.json"
-    print(f"threads={torch.get_num_threads()} model={MODEL} max_length={args.max_length} batch={args.batch} micro={args.micro} "
+    print(f"threads={torch.get_num_threads()} model={args.model} max_length={args.max_length} batch={args.batch} micro={args.micro} "
           f"precision={args.precision} trl_defaults={args.trl_defaults}", flush=True)
     results = {"raw_forward_backward": raw_rate(args)}
     print(f"raw fwd+bwd   {results['raw_forward_backward']['tokens_per_s']:8.1f} tok/s", flush=True)
@@ -139,6 +187,10 @@ def main() -> None:
     results["ratio_posttrain_over_trl"] = ratio
     results["posttrain_over_raw"] = results["posttrain"]["tokens_per_s"] / results["raw_forward_backward"]["tokens_per_s"]
     results["trl_over_raw"] = results["trl"]["tokens_per_s"] / results["raw_forward_backward"]["tokens_per_s"]
+    for side in ("trl", "posttrain"):  # backward: twice the forward (grads of inputs and of weights)
+        CLOCK.flops[side]["backward"] = 2 * CLOCK.flops[side].get("forward", 0.0)
+    print("\n" + table(CLOCK, ["trl", "posttrain"], peak))
+    results["phases"] = as_json(CLOCK, ["trl", "posttrain"], peak)
     print(f"\nposttrain / TRL = {ratio:.2f}x   (posttrain at {results['posttrain_over_raw']:.2f} of raw, TRL at {results['trl_over_raw']:.2f})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), **results}, indent=1))

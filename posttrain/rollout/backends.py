@@ -114,6 +114,7 @@ def _vllm(model, tok, model_name: str, dtype: str, engine_cfg, **kwargs):
             raise UserError("backend=vllm needs a model folder, a built-in name or a Hub id (model=...)")
         path = _model_folder(model if model is not None else load_model(model_name), tok)
     vdtype = "float32" if dtype in ("float32", "fp32") else "bfloat16"
+    kwargs.setdefault("kv_cache_mb", engine_cfg.kv_cache_mb)
     backend = VLLMBackend(str(path), dtype=vdtype, seed=engine_cfg.seed, max_model_len=engine_cfg.max_model_len,
                           source=model, **kwargs)
     backend.sync_weights()

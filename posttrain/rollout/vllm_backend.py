@@ -27,7 +27,8 @@ weights (W + scale * B @ A). vLLM's native `weight_transfer_config` (NCCL / CUDA
 Colocation: on CUDA (where vLLM's sleep mode exists) `colocate=True` frees vLLM's weights and KV cache between
 rollouts (`LLM.sleep(level=1)` after each generate, `wake_up` before the next weight load or generate), so the
 trainer has the GPU memory during its update. On the CPU vLLM has no sleep mode (`is_sleep_mode_available()` is
-False): `colocate=True` is refused there, and vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE GiB) stays allocated.
+False): `colocate=True` is refused there, and vLLM's KV cache stays allocated: `kv_cache_mb` (the built-in engine's
+budget, default 1024 MiB) unless VLLM_CPU_KVCACHE_SPACE (GiB) or a `kv_cache_memory_bytes` argument says otherwise.
 
 A dead vLLM engine (its EngineCore process crashed or was killed) raises `VLLMEngineDead` naming it.
 """
@@ -63,7 +64,7 @@ class VLLMBackend:
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, logprobs_mode: str = "processed_logprobs", source=None,
-                 colocate: bool = False, **llm_kwargs):
+                 colocate: bool = False, kv_cache_mb: float | None = None, **llm_kwargs):
         vllm = _vllm()
         from vllm.platforms import current_platform
 
@@ -73,6 +74,11 @@ class VLLMBackend:
                             "(CUDA only); leave colocate off")
         extra = {"gpu_memory_utilization": gpu_memory_utilization} if self.device == "cuda" else {}
         extra.update(_env_args(), **llm_kwargs)
+        if self.device == "cpu" and kv_cache_mb and "kv_cache_memory_bytes" not in extra \
+                and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # vLLM's CPU worker otherwise reserves gpu_memory_utilization (0.92) of the machine's memory and refuses
+            # to start when other processes hold more than 8%: the same KV budget as the built-in engine instead
+            extra["kv_cache_memory_bytes"] = int(kv_cache_mb * 2**20)
         self.llm = vllm.LLM(model=str(model_path), dtype=dtype, seed=seed, max_model_len=max_model_len,
                             enable_prefix_caching=True, logprobs_mode=logprobs_mode, enable_sleep_mode=colocate,
                             worker_extension_cls=WORKER_EXTENSION, **extra)

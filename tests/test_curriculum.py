@@ -154,3 +154,14 @@ def test_a_killed_band_run_resumes_to_the_same_prompts(tmp_path):
 def test_refusals(args, match):
     with pytest.raises(ConfigError, match=match):
         parse_args(rl.RLConfig, ["model=tiny-random", *args])
+
+
+@pytest.mark.parametrize("algo", ["ppo", "online_dpo"])
+def test_band_with_ppo_and_online_dpo(tmp_path, algo):
+    """The other steps share the collect: their groups feed the band too."""
+    _, out = run_rl(tmp_path, f"algo={algo}", "max_steps=2", "beta=0", "curriculum=band",
+                    "curriculum_args={pass_threshold: 0.1}")
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["curriculum/drawn_unseen_frac"] for r in history][0] == 1.0
+    state = json.loads((out / "checkpoints" / "step-2" / "state.json").read_text())["sampler"]
+    assert sum(n for n, _ in state["rates"].values()) == 2 * 4  # 2 steps x prompts_per_step 4

@@ -4,8 +4,8 @@ each step's checkpoint; checkpoints every 2 steps, so step 3 is lost and redone)
 resume=true logs the same metrics (timing aside) and ends with the same weights as an uninterrupted run.
 
 rs and sequence distillation run the SFT recipe inside: the kill lands in that SFT (rs: round 1 of 2).
-rl (grpo with an adaptive β, ppo with its value model, online DPO with reference updates) is killed the same
-way; async RL's resume is in tests/test_async_rl.py, a torchrun rank's in tests/test_fsdp.py.
+rl (grpo with an adaptive β, ppo with its value model, online DPO with reference updates, grpo with ProRL's
+reference reset and adaptive entropy control) is killed the same way; async RL's resume is in tests/test_async_rl.py, a torchrun rank's in tests/test_fsdp.py.
 """
 
 from __future__ import annotations
@@ -93,6 +93,9 @@ def case(name: str, tmp_path: Path, teacher: str) -> tuple[list[str], list[str],
     if name == "rl_ppo":  # the value model, its optimizer and schedule resume (checkpoints/step-N/value/)
         return ([*rl, "algo=ppo", "critic_lr=1e-3"], ["metrics.jsonl", "samples.jsonl"],
                 [*final, "final/value/model.safetensors"])
+    if name == "rl_ref_reset":  # ProRL's reference reset (+ optimizer state) at step 2, adaptive entropy control
+        return ([*rl, "algo=grpo", "beta=0.05", "ref_reset_every=2", "ref_reset_optimizer=true",
+                 "entropy_control=adaptive", "entropy_coef=0.01", "entropy_target=50"], ["metrics.jsonl", "samples.jsonl"], final)
     if name == "rl_online_dpo":  # its own step; the reference copied from the policy every 2 steps
         return [*rl, "algo=online_dpo", "ref_update_every=2"], ["metrics.jsonl", "samples.jsonl"], final
     raise KeyError(name)
@@ -121,7 +124,7 @@ def rows(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["sft", "rm", "dpo", "kto", "distill_logit", "distill_on_policy", "distill_sequence",
-                                  "rs", "rl_grpo", "rl_grpo_beta0", "rl_ppo", "rl_online_dpo"])
+                                  "rs", "rl_grpo", "rl_grpo_beta0", "rl_ppo", "rl_online_dpo", "rl_ref_reset"])
 def test_a_killed_run_resumes_to_the_uninterrupted_run(tmp_path, teacher_dir, name):
     argv, logs, weights = case(name, tmp_path, teacher_dir)
     straight, cut = tmp_path / "straight", tmp_path / "cut"

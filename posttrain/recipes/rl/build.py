@@ -92,8 +92,8 @@ def setup(cfg: RLConfig) -> RLRun:
                 device, info=info, critic=critic, measured=measured, eval_hook=eval_hook,
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
                                     verifiers=verifier_weights(reward_fn)))
-    run.entropy_ctl = entropy_controller(cfg)
     run.curriculum = sampler if isinstance(sampler, BandSampler) else None
+    run.entropy_ctl = entropy_controller(cfg)
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
     state = life.restore(model, optimizer, scheduler, extras=run.checkpoint_extras())

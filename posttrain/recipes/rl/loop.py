@@ -8,7 +8,8 @@ import math
 import os
 import sys
 
-from posttrain.config import parse_args
+from posttrain.algos.presets import describe_preset
+from posttrain.config import parse_args, split_flags
 from posttrain.monitor.alarms import AlarmStop
 from posttrain.plan.measure import write_measured
 from posttrain.recipes.rl import ray_cluster
@@ -49,6 +50,8 @@ def checkpoint_state(run: RLRun) -> dict:
         state["drift"] = run.drift.state()
     if run.critic is not None:
         state.update(run.critic.state())
+    if run.entropy_ctl.state():
+        state["entropy"] = run.entropy_ctl.state()
     rollout = run.rollout.state()
     if rollout:
         state["rollout"] = rollout
@@ -84,8 +87,22 @@ def finish(run: RLRun, final_checkpoint: bool = True) -> dict:
     return summary
 
 
+def show_preset(cfg: RLConfig) -> str:
+    """`posttrain rl algo=X --show-preset`: what the preset sets, its paper and deviations, then what this
+    command line resolves to (overrides included). Reads the config only: no model, data or reward loads."""
+    resolved = (f"resolved here: advantage={cfg.resolved_advantage} {cfg.advantage_args or ''}".rstrip()
+                + f", loss={cfg.resolved_loss} {cfg.loss_args or ''}".rstrip()
+                + f", loss_agg={cfg.resolved_agg}, beta={cfg.resolved_beta:g}, dynamic_sampling={cfg.resolved_dynamic_sampling}, "
+                f"reward={cfg.resolved_reward}, max_new_tokens={cfg.sampling.max_new_tokens}")
+    return f"{describe_preset(cfg.algo)}\n{resolved}"
+
+
 def main(argv: list[str]) -> None:
+    argv, flags = split_flags(argv, ("--show-preset",))
     cfg = parse_args(RLConfig, argv, prog="posttrain rl")  # a bad key or value: ConfigError, reported by the CLI
+    if flags:
+        print(show_preset(cfg))
+        return
     if cfg.systems.cluster == "ray":  # the trainer runs as a Ray actor
         summary = ray_cluster.train(cfg, train)
     else:

@@ -17,7 +17,7 @@ import math
 import torch
 
 from posttrain.algos import aggregate, dynamic_sampling, kl_estimate
-from posttrain.algos.adv_estimators import group_metrics
+from posttrain.algos.adv_estimators import group_metrics, takes_lengths
 from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
@@ -131,7 +131,10 @@ def assign_advantages(trajs: list[Trajectory], adv_fn, mask_truncated: bool) -> 
     groups = torch.tensor([t.group for t in scored])
     if adv_fn is None:  # PPO: its advantages come from GAE, the groups' reward health is the same signal
         return ppo_group_metrics(rewards, groups)
-    adv, metrics = adv_fn(rewards, groups)
+    extra = {}
+    if takes_lengths(adv_fn):  # token-level whitening (REINFORCE++): loss tokens per sample, 0 when it carries no loss
+        extra["lengths"] = torch.tensor([t.num_loss_tokens if t.valid else 0 for t in scored], dtype=torch.float64)
+    adv, metrics = adv_fn(rewards, groups, **extra)
     for t, a in zip(scored, adv.tolist()):
         t.advantage = a
     return metrics
@@ -151,20 +154,23 @@ def ppo_group_metrics(rewards: torch.Tensor, groups: torch.Tensor) -> dict:
 
 
 def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str, truncated: bool,
-                 with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 with_entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(a_t|s_t) of the loss tokens -> ((S, L), entropy (S, L) | None).
 
     truncated=True: the distribution the engine sampled from (temperature, then the kept set of a
     top-k/top-p draw, identified by its size so the two sides agree by construction);
     truncated=False: the temperature-only distribution (reference and KL: a token outside the
-    reference's nucleus must not get log-prob −inf)."""
+    reference's nucleus must not get log-prob −inf). entropy_grad: the entropy keeps its gradient (an entropy
+    bonus; the temperature-only path only, which the config ensures)."""
     _, head = backbone_and_head(model)
     h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H) only where a loss token is predicted
     # the model's own logit transform (soft-cap, scale), in tiles: never (M x V) logits at once
     logp, ent = head.logprobs(h, batch.targets, temperature, kept=batch.kept if truncated else None,
                               with_entropy=with_entropy)
-    return batch.spread(logp), (batch.spread(ent.detach()) if ent is not None else None)
+    if ent is not None and not entropy_grad:
+        ent = ent.detach()
+    return batch.spread(logp), (batch.spread(ent) if ent is not None else None)
 
 
 @torch.no_grad()
@@ -225,8 +231,10 @@ def consistency(batch: RLBatch, old: torch.Tensor) -> dict:
             "kl_sum": float(((batch.behaviour_logp - old) * m).sum()), "tokens": int(m.sum())}
 
 
-def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap: float | None, norms: dict):
-    """Scalar loss of one micro-batch (its exact share of the step's loss) and its metrics."""
+def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap: float | None, norms: dict,
+               entropy: torch.Tensor | None = None, entropy_coef: float = 0.0):
+    """Scalar loss of one micro-batch (its exact share of the step's loss) and its metrics. With `entropy`
+    (S, L) carrying its gradient: per-token loss ℓ_t − entropy_coef·H_t (an entropy bonus) before aggregation."""
     mask = b.loss_mask
     extra = dict(cfg.loss_args)
     if tis_cap:
@@ -236,6 +244,8 @@ def batch_loss(logp, b: RLBatch, loss_fn, cfg, beta: float, kl_est: str, tis_cap
         kl_tok = kl_estimate(logp, b.ref_logp, kl_est)
         tok_loss = tok_loss + beta * kl_tok
         metrics["kl/mean"] = (kl_tok.detach() * mask).sum() / mask.sum().clamp(min=1)
+    if entropy is not None and entropy_coef > 0:
+        tok_loss = tok_loss - entropy_coef * entropy
     loss = aggregate(tok_loss, mask, norms["agg"], norm_tokens=norms["tokens"], max_len=cfg.sampling.max_new_tokens,
                      num_sequences=norms["seqs"])
     return loss, metrics

@@ -70,7 +70,7 @@ class RewardWorker:
 
     def __init__(self, cfg):
         rows, _ = formats.load(cfg.data, allowed=("prompt_only", "prompt_completion"), seed=cfg.seed)
-        self.score_fn = local_scorer(build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens))
+        self.score_fn = local_scorer(build_reward(cfg.resolved_reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens))
 
     def score(self, row, trajs):
         metrics = self.score_fn(row, trajs)

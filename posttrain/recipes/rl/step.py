@@ -58,6 +58,8 @@ def rl_step(run: RLRun, step: int) -> dict:
     if run.drift is not None:
         with timer("kl_start"):
             update_metrics.update(run.drift.measure(run, step))
+    if cfg.ref_reset_every:  # ProRL: the reference follows the policy every N steps
+        update_metrics.update(reset_reference(run, step))
     # 5. log
     return log_step(run, step, trajs, t0, {**collect_metrics, **adv_metrics, **update_metrics, "skipped": 0})
 
@@ -69,13 +71,14 @@ def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dic
     cfg, critic = run.cfg, run.critic
     stats = UpdateStats()
     lr, beta = run.scheduler.get_last_lr()[0], run.beta
+    entropy_coef = run.entropy_ctl.coef()  # the entropy bonus's c this step (0: none)
     for epoch in range(cfg.epochs):
         for mb in ph.minibatches(batches, cfg.minibatches):
             norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
                      "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
             for b, w in rank_share(mb, run.info):  # one process: every micro-batch, weight 1
                 if train_policy:
-                    policy_backward(run, b, epoch, norms, stats, w)
+                    policy_backward(run, b, epoch, norms, stats, w, entropy_coef)
                 if critic is not None:
                     critic.backward(b, norms["tokens"], stats.critic, w)
             if train_policy:
@@ -89,22 +92,52 @@ def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dic
         run.rollout.sync_weights(run)
     if critic is not None:
         critic.end_update()
-    return update_metrics(run, stats, lr, beta, batches)
+    row = update_metrics(run, stats, lr, beta, batches)
+    if train_policy and run.entropy_ctl.active:
+        row.update(entropy_metrics(run, entropy_coef, row["entropy"]))
+    return row
 
 
-def policy_backward(run: RLRun, b: RLBatch, epoch: int, norms: dict, stats: UpdateStats, weight: float = 1.0) -> None:
+def entropy_metrics(run: RLRun, coef: float, entropy: float) -> dict:
+    """The entropy bonus's row: `entropy/coef` (c applied this step), `entropy/bonus` (c·H, subtracted from the
+    loss per token); the controller then follows this step's entropy (`entropy/next_coef`, adaptive control)."""
+    run.entropy_ctl.update(entropy)
+    out = {"entropy/coef": coef, "entropy/bonus": coef * entropy}
+    if run.cfg.entropy_control == "adaptive":
+        out["entropy/next_coef"] = run.entropy_ctl.coef()
+    return out
+
+
+def reset_reference(run: RLRun, step: int) -> dict:
+    """ProRL (Liu et al. 2025) reference reset after step `step` (0-based) when step + 1 is a multiple of
+    `ref_reset_every`: π_ref ← π_θ, and with `ref_reset_optimizer` the policy optimizer's state (AdamW moments,
+    step counts) cleared; the learning-rate schedule goes on. -> {"ref_reset": 0 | 1}"""
+    cfg = run.cfg
+    if run.ref is None or (step + 1) % cfg.ref_reset_every:
+        return {"ref_reset": 0}
+    run.ref.load_state_dict(run.model.state_dict())
+    if cfg.ref_reset_optimizer:
+        run.optimizer.state.clear()
+    return {"ref_reset": 1}
+
+
+def policy_backward(run: RLRun, b: RLBatch, epoch: int, norms: dict, stats: UpdateStats, weight: float = 1.0,
+                    entropy_coef: float = 0.0) -> None:
     """The policy loss of one micro-batch, backward. `weight` 0: a padding copy that keeps a sharded run's
-    ranks in step (its loss counts 0, no statistics)."""
+    ranks in step (its loss counts 0, no statistics). `entropy_coef` > 0: the loss − c·H per token, H with
+    its gradient (every epoch)."""
     cfg = run.cfg
     first = epoch == 0
+    bonus = entropy_coef > 0
     logp, entropy = fsdp.apply(run.model, ph.policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision,
-                               truncated=True, with_entropy=first)
+                               truncated=True, with_entropy=first or bonus, entropy_grad=bonus)
     if first and b.old_logp is None:  # on-policy: the old policy is the current one
         b.old_logp = logp.detach()
     if first and weight:
         stats.cons.add(Consistency(**ph.consistency(b, logp.detach())))
-        stats.entropy += float((entropy * b.mask).sum())
-    loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, run.loss_beta, cfg.kl_estimator, run.tis_cap, norms)
+        stats.entropy += float((entropy.detach() * b.mask).sum())
+    loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, run.loss_beta, cfg.kl_estimator, run.tis_cap, norms,
+                            entropy=entropy if bonus else None, entropy_coef=entropy_coef)
     scale = getattr(run.model, "loss_scale", 1.0)  # sharded: FSDP averages gradients over ranks, W x is a sum
     (loss * (weight * scale)).backward()
     if weight:

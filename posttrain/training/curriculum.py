@@ -54,8 +54,14 @@ def curriculum_args(given: dict) -> CurriculumArgs:
     try:
         return CurriculumArgs(**given)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'curriculum_args'}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(problem(err) for err in e.errors())
         raise ValueError(f"curriculum_args: {problems} (keys: {', '.join(CurriculumArgs.model_fields)})") from None
+
+
+def problem(err: dict) -> str:
+    """One pydantic error of curriculum_args as 'key: what is wrong'."""
+    msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    return f"{'.'.join(map(str, err['loc']))}: {msg}" if err["loc"] else msg
 
 
 def make_sampler(curriculum: str, args: dict, prompts: list, seed: int) -> EpochSampler | BandSampler:

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import sys
 
+# what to try when DPO's responses grow (summed log-probs reward length: Park et al. 2024, "Disentangling Length
+# from Quality in DPO"): the length-normalised losses
+LENGTH_HINT = ("the summed log-probs of dpo favour longer responses: try a length-normalised loss, loss=simpo "
+               "(no reference, average log-probs) or loss=dpo_norm (length-normalised DPO, Tülu 3)")
+
 
 class PreferenceAlarms:
     def __init__(self, patience: int = 3, max_length_ratio: float = 1.3, stream=None):
@@ -41,7 +46,7 @@ class PreferenceAlarms:
             out["alarm/length_growth"] = int(ratio > self.max_length_ratio)
             if out["alarm/length_growth"]:
                 self._fire("length_growth", step, f"sampled responses are {ratio:.2f}x the reference's length "
-                           f"(alarm above {self.max_length_ratio:.2f}x)")
+                           f"(alarm above {self.max_length_ratio:.2f}x); {LENGTH_HINT}")
         return out
 
     def _fire(self, name: str, step: int, message: str) -> None:

@@ -41,6 +41,7 @@ from posttrain.algos import preference_losses
 from posttrain.config import CommonConfig, parse_args
 from posttrain.data.preference import TokenizedPair, load_split
 from posttrain.data.prefix_batch import micro_batches
+from posttrain.data.special_tokens import mask_special, special_token_ids
 from posttrain.errors import UserError
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.loading import load_model, load_tokenizer
@@ -85,6 +86,8 @@ class DPOConfig(CommonConfig):
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole pairs; each prompt counted once)")
     max_length: int = Field(1024, ge=8, description="maximum tokens of prompt + completion")
     too_long: str = Field("error", pattern="^(error|drop)$", description="an example over max_length: error (refuse) | drop")
+    mask_special_tokens: bool = Field(False, description="leave the tokenizer's special/template tokens (<|eot_id|>, <|im_end|>, "
+                                      "headers) out of the chosen and rejected log-prob sums (Llama 3's DPO recipe)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.1))
     lora: LoraSettings = Field(default_factory=LoraSettings)
     eval_data: str = Field("", description="held-out preference data; empty: split eval_fraction off the training data")
@@ -383,6 +386,9 @@ def setup(cfg: DPOConfig) -> DPORun:
     unpaired = not preference_losses.meta(cfg.loss).get("paired", True)
     train, evals = load_split(tok, cfg.data, cfg.eval_data, cfg.eval_fraction, cfg.seed, cfg.max_length, cfg.too_long,
                               unpaired_ok=unpaired, unpair_train=unpaired)
+    if cfg.mask_special_tokens:  # Llama 3 §4.1.4: special/template tokens out of the loss
+        special = special_token_ids(tok)
+        train, evals = mask_special(train, special), mask_special(evals, special)
     note = resolve_max_steps(cfg, len(train), cfg.batch_size, "examples" if unpaired else "pairs", life)
     if note and info.main:
         print(note, flush=True)

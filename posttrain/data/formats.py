@@ -14,6 +14,7 @@ checked before training; a problem raises DataError naming file, row and field.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -194,8 +195,11 @@ def detect_format(row: Row, allowed: tuple[str, ...] | None = None) -> str:
     for name in candidates:
         if all(k in row.data for k in FORMATS[name]):
             return name
+    wanted = sorted({k for f in candidates for k in FORMATS[f]} - set(row.data))
+    near = [(k, m[0]) for k in sorted(row.data) if k not in wanted and (m := difflib.get_close_matches(k, wanted, n=1, cutoff=0.8))]
+    hint = "".join(f"; did you mean '{want}' for '{have}'?" for have, want in near[:2])
     raise row.error(None, f"no usable format: the row has keys {sorted(row.data)}; expected "
-                    + " or ".join("{" + ", ".join(FORMATS[f]) + "}" for f in candidates))
+                    + " or ".join("{" + ", ".join(FORMATS[f]) + "}" for f in candidates) + hint)
 
 
 def check_conversation(row: Row, field: str, messages: Any, need_assistant: bool = False) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from posttrain.config import parse_args
+from posttrain.errors import UserError
 from posttrain.eval import protocol as P
 from posttrain.eval.agentic import main as agent_main
 from posttrain.eval.compare import main as compare_main
@@ -25,7 +26,7 @@ from posttrain.eval.config import EvalConfig
 from posttrain.eval.contamination import main as contamination_main
 from posttrain.eval.prompts import build_items, check_columns, few_shot_messages, load_rows
 from posttrain.eval.report import write_eval_report
-from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize
+from posttrain.eval.results import curve, item_record, item_values, print_metrics, summarize, unscored
 from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend, template_file
 from posttrain.eval.selection import EvalSelection, print_selection
 from posttrain.models.loading import load_tokenizer
@@ -94,8 +95,12 @@ def run_eval(cfg: EvalConfig) -> dict:
         doc["selection"] = selection.report(summary)
         for rec, extra in zip(doc["items"], records):
             rec["selection"] = extra
+    if (why := unscored(results)) is not None:  # a pass@1 of 0.000 with an interval would be a fake result
+        doc["metrics"], doc["curve"], doc["unscored"] = {}, [], why
     (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False))
     write_eval_report(out, doc, cfg.report_samples)
+    if why is not None:
+        raise UserError(f"no sample was scored: {why}; the samples are in {out / 'results.json'}, no metric was computed")
     return doc
 
 

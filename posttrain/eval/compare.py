@@ -58,8 +58,30 @@ def load_results(path: str | Path) -> dict:
         raise UserError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(doc, dict) or not str(doc.get("format", "")).startswith("posttrain.eval/"):
         raise UserError(f"{path}: not a posttrain eval results file (no 'format': 'posttrain.eval/…')")
+    check_results(doc, path)
     doc["_path"] = str(path)
     return doc
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value).replace("\n", "\\n")
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def check_results(doc: dict, path: Path) -> None:
+    """The parts of a results file a comparison reads: refused naming the first one missing or malformed."""
+    proto = doc.get("protocol")
+    if not isinstance(proto, dict) or not isinstance(proto.get("model"), dict):
+        raise UserError(f"{path}: no 'protocol' with its 'model' (a results.json of posttrain eval has both); rerun the "
+                        "evaluation, or restore the file")
+    items = doc.get("items")
+    if not isinstance(items, list) or not items:
+        raise UserError(f"{path}: no 'items' (the per-problem outcomes a comparison pairs); rerun the evaluation, or restore the file")
+    for i, it in enumerate(items):
+        if not isinstance(it, dict) or "id" not in it:
+            raise UserError(f"{path}: items[{i}] has no 'id' (problems are paired by id)")
+    if doc.get("unscored"):
+        raise UserError(f"{path}: no sample of this evaluation was scored ({doc['unscored']}): there is nothing to compare")
 
 
 def paired_items(a: dict, b: dict, allow: bool) -> tuple[list[dict], list[dict], list[str]]:
@@ -91,10 +113,10 @@ def compare(a: dict, b: dict, metric: str = "pass@1", allow_protocol_diff: bool 
     """The comparison of results B against A (dicts as written by `posttrain eval`); `curve`: add pass@k at every k
     with the sharpening / expanding verdict (eval/curve.py)."""
     diffs = P.differences(a["protocol"], b["protocol"])
-    if diffs and not allow_protocol_diff:
-        lines = "\n".join(f"  {k}: {va!r} vs {vb!r}"[:300] for k, va, vb in diffs)
-        raise UserError(f"the protocols differ, so the scores are not comparable:\n{lines}\n"
-                        "(pass allow_protocol_diff=true to compare anyway)")
+    if diffs and not allow_protocol_diff:  # one line: the keys, then each difference cut short
+        what = "; ".join(f"{k}: {_short(va)} vs {_short(vb)}" for k, va, vb in diffs)
+        raise UserError(f"the protocols differ in {', '.join(k for k, _, _ in diffs)}, so the scores are not comparable "
+                        f"({what}); pass allow_protocol_diff=true to compare anyway")
     warnings = [f"protocol differs: {k}: {va!r} vs {vb!r}"[:300] for k, va, vb in diffs]
     xa, xb, more = paired_items(a, b, allow_protocol_diff)
     warnings += more
@@ -150,12 +172,23 @@ def print_comparison(r: dict) -> None:
         print_curve(r["curve"])
 
 
+def _is_path(arg: str, keys: set[str]) -> bool:
+    """A `word=...` argument that is a path: an existing file or folder, or a key part no option has ('/' in it)."""
+    key = arg.split("=", 1)[0].lstrip("-")
+    return "=" in arg and key not in keys and ("/" in key or Path(arg).exists())
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         parse_args(CompareConfig, ["--help"], prog="posttrain eval compare A/results.json B/results.json")
     rest, paths = split_args(CompareConfig, argv)  # `--metric pass@4` is a key and its value, not a path
+    keys = set(CompareConfig.model_fields)
+    paths += [a for a in rest if _is_path(a, keys)]  # runs/lr=1e-4/results.json is a path, not key=value
+    rest = [a for a in rest if not _is_path(a, keys)]
     if len(paths) != 2:
-        raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] [metric=pass@1]")
+        got = f" (got {len(paths)}: {' '.join(paths)})" if paths else ""
+        raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] "
+                        f"[metric=pass@1]: give two results files or eval folders{got}")
     cfg = parse_args(CompareConfig, rest, prog="posttrain eval compare A/results.json B/results.json")
     result = compare(load_results(paths[0]), load_results(paths[1]), cfg.metric, cfg.allow_protocol_diff,
                      cfg.confidence, cfg.bootstrap, cfg.seed, curve=cfg.curve)

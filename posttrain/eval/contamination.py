@@ -20,7 +20,7 @@ import json
 import re
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config import Config, parse_args
 from posttrain.data.formats import read_rows
@@ -91,6 +91,28 @@ def overlap(train_rows: list[dict], eval_rows: list[dict], n: int = 13, fields: 
             "contaminated_fraction": dirty / len(items) if items else 0.0, "gram_fraction": found_all / total if total else 0.0}
 
 
+def _names(value):
+    """fields=question or fields=question,context (a comma list) as well as a YAML list."""
+    return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+
+
+def check_inputs(cfg, train: list[dict], evals: list[dict]) -> None:
+    """An empty side, or fields no evaluation row has, would report 0 % contamination for nothing checked."""
+    for key, rows in (("train", train), ("eval", evals)):
+        if not rows:
+            raise UserError(f"{key}={getattr(cfg, key)}: no rows, so there is nothing to compare; give a non-empty dataset")
+    if not any(f in r for r in evals for f in cfg.fields):
+        columns = sorted({k for r in evals for k in r})
+        raise UserError(f"fields={','.join(cfg.fields)}: no row of eval={cfg.eval} has {'this column' if len(cfg.fields) == 1 else 'these columns'} "
+                        f"(its columns: {', '.join(columns)}); name the text to check, e.g. fields={columns[0] if columns else 'prompt'}")
+
+
+def check_report(cfg, rep: dict) -> None:
+    if rep["eval_rows"] and not any(it["grams"] for it in rep["items"]):
+        raise UserError(f"no evaluation item of {cfg.eval} has a field of at least min_words={cfg.min_words} words "
+                        f"(fields={','.join(cfg.fields)}): nothing was checked; lower min_words or name longer fields")
+
+
 class ContaminationConfig(Config):
     """posttrain eval contamination: n-gram overlap of an evaluation set with a training set."""
 
@@ -112,6 +134,11 @@ class ContaminationConfig(Config):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="mode=completion: auto | cpu | cuda | cuda:N")
     max_model_len: int = Field(2048, ge=2, description="mode=completion: prompt + continuation tokens per item")
 
+    @field_validator("fields", mode="before")
+    @classmethod
+    def _fields(cls, v):
+        return _names(v)
+
 
 def main(argv: list[str]) -> int:
     cfg = parse_args(ContaminationConfig, argv, prog="posttrain eval contamination")
@@ -124,7 +151,9 @@ def main(argv: list[str]) -> int:
         raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")
     train = [r.data for r in read_rows(cfg.train)]
     evals = [r.data for r in read_rows(cfg.eval)]
+    check_inputs(cfg, train, evals)
     rep = overlap(train, evals, cfg.n, tuple(cfg.fields), cfg.min_words)
+    check_report(cfg, rep)
     print(f"{rep['contaminated_items']} of {rep['eval_rows']} evaluation items share a {cfg.n}-gram with the "
           f"{rep['train_rows']} training rows ({100 * rep['contaminated_fraction']:.1f}%); "
           f"{100 * rep['gram_fraction']:.1f}% of evaluation {cfg.n}-grams occur in training")

@@ -94,6 +94,24 @@ def evaluate(engine, tok, rows, reward_fn, n: int = 4, sampling: SamplingSetting
     return {prefix + k: v for k, v in out.items()}
 
 
+def _with_options(reward_fn, reward_args: dict):
+    """The recipe's composed reward rebuilt with eval.reward_args over its own options (a part they name must be in it)."""
+    from posttrain.errors import UserError
+    from posttrain.rewards.registry import ComposedReward
+
+    if not isinstance(reward_fn, ComposedReward):
+        raise UserError("eval.reward_args: the recipe's reward takes no options here; give eval.reward= with them")
+    unknown = sorted(set(reward_args) - {n for n, _ in reward_fn.parts})
+    if unknown:
+        raise UserError(f"eval.reward_args: {', '.join(unknown)} is not a part of the reward the evaluation uses "
+                        f"({reward_fn.__name__}); name one of its parts, or give eval.reward= too")
+    options = {**reward_fn.options, **{k: dict(v) for k, v in reward_args.items()}}
+    try:
+        return ComposedReward(list(reward_fn.parts), on_error=reward_fn.on_error, options=options)
+    except UserError as e:  # a bad option: say which key it came from
+        raise UserError(f"eval.reward_args: {e}") from None
+
+
 class EvalHook:
     """Held-out evaluation every `every` steps (see the module docstring). Data and reward are loaded
     and checked when the hook is built, i.e. before the recipe loads its model."""
@@ -115,6 +133,8 @@ class EvalHook:
         else:  # the recipe's reward; with shaping terms mixed in, only its verifiers (a trusted held-out verdict)
             trusted = recipe_reward.verifier_part() if hasattr(recipe_reward, "verifier_part") else None
             self.reward_fn = trusted or recipe_reward
+            if settings.reward_args:  # options for the recipe's reward parts at evaluation (never silently dropped)
+                self.reward_fn = _with_options(self.reward_fn, settings.reward_args)
             if trusted is not None:
                 print(f"held-out eval scores with {trusted.__name__} (the training reward's verifiers; "
                       f"eval.reward= to choose)", flush=True)

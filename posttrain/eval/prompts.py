@@ -41,7 +41,11 @@ def load_rows(data: str, max_items: int = 0) -> list[formats.Row]:
 def check_columns(rows: list[formats.Row], columns: dict[str, tuple]) -> None:
     """Every row has the columns the rewards need (`columns`: reward -> required columns, a tuple
     entry = any one of its alternatives); the first missing one is named with its file and row."""
+    from posttrain.rewards.registry import reserved_column  # math-verify (slow) only when rewards are used
+
     for row in rows:
+        if (hit := reserved_column(row.data)) is not None:
+            raise row.error(hit[0], f"this column name is taken by {hit[1]}")
         for reward, cols in columns.items():
             for col in cols:
                 alts = col if isinstance(col, tuple) else (col,)

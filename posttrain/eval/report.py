@@ -62,7 +62,7 @@ def _items_table(doc: dict) -> str:
         note = it.get("error") or ("; ".join(it.get("reward_errors", [])[:1]))
         cls = "ok" if it["c"] * 2 >= it["n"] else "bad"
         rows.append(f"<tr class={cls}><td>{html.escape(str(it['id']))}</td><td>{html.escape(str(it['question']))[:300]}</td>"
-                    f"<td>{html.escape(str(it.get('answer', '')))}</td><td>{it['c']} / {it['n']}</td><td>{it['pass@1']:.3f}</td>"
+                    f"<td>{html.escape(str(it.get('answer', '')))}</td><td>{it['c']} / {it['n']}</td><td>{it['c'] / max(it['n'], 1):.3f}</td>"
                     f"<td>{html.escape(str(top))}</td><td>{html.escape(note or '')}</td></tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -78,6 +78,11 @@ def _samples(doc: dict, count: int) -> str:
     return "".join(parts)
 
 
+def _unscored(doc: dict) -> str:
+    why = doc.get("unscored")
+    return f"<p class=bad><b>No sample was scored</b>, so there is no metric: {html.escape(why)}</p>" if why else ""
+
+
 def write_eval_report(out_dir: str | Path, doc: dict, samples: int = 3) -> Path:
     out_dir = Path(out_dir)
     plot = plot_curve(doc, out_dir)
@@ -85,7 +90,7 @@ def write_eval_report(out_dir: str | Path, doc: dict, samples: int = 3) -> Path:
     proto["chat_template"] = {k: v for k, v in doc["protocol"]["chat_template"].items() if k != "text"}
     title = f"eval — {doc['protocol']['model']['name']} on {doc['protocol']['data']['source']}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title><style>{STYLE}</style></head>
-<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{metrics_table(doc)}{f'<img src="{plot}" alt="pass@k">' if plot else ''}
+<body><h1>{html.escape(title)}</h1><h2>Metrics</h2>{_unscored(doc)}{metrics_table(doc)}{f'<img src="{plot}" alt="pass@k">' if plot else ''}
 <h2>Counts and timing</h2>{_table({**doc['counts'], **doc['timing']})}<h2>Protocol</h2>{_table(proto)}
 <h2>Problems</h2>{_items_table(doc)}<h2>Samples</h2>{_samples(doc, samples)}</body></html>"""
     path = out_dir / "report.html"

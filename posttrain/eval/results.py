@@ -31,6 +31,20 @@ def item_values(r: ItemResult, n: int, ks: list[int], cons: bool, max_subsets: i
     return out
 
 
+def unscored(results: list[ItemResult]) -> str | None:
+    """Why no sample has a reward at all (every prompt refused, the reward failed or gave None on every sample), or
+    None when at least one was scored: then the metrics mean something."""
+    if any(s.score is not None for r in results for s in r.samples):
+        return None
+    refused = [r.error for r in results if r.error]
+    if len(refused) == len(results):
+        return f"the backend refused all {len(results)} prompts (first: {refused[0]})"
+    errors = [s.error for r in results for s in r.samples if s.error]
+    if errors:
+        return f"the reward failed on every sample ({len(errors)} errors; first: {errors[0]})"
+    return "the reward returned None (no value) for every sample"
+
+
 def metric_names(values: list[dict]) -> list[str]:
     return [k for k in values[0] if k not in ("c", "n")]
 

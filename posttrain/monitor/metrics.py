@@ -73,10 +73,27 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a metrics.jsonl. A last line cut short (a run killed mid-write: no closing newline) is left out;
+    a malformed line before it is refused naming the file and line."""
+    from posttrain.errors import DataError
+
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # the write the kill interrupted
+            raise DataError(str(path), number, None, f"invalid JSON ({e.msg} at column {e.colno}); "
+                            "fix or delete this line to rebuild the report") from None
+    return rows
 
 
 class PhaseTimer:

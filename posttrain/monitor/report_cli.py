@@ -16,10 +16,15 @@ from posttrain.monitor.report import write_report
 
 def rebuild(run_dir: str | Path) -> Path:
     d = Path(run_dir)
+    if not d.is_dir():
+        raise UserError(f"{d}: no such folder" + (" (a file: give the run's folder)" if d.exists() else "")
+                        + "; posttrain report RUN_DIR rebuilds the report of a run or quickstart folder")
     if (d / "compare.json").is_file() and (d / "eval_before").is_dir():
         return write_quickstart_report(d)
     if not (d / "metrics.jsonl").is_file():
-        raise UserError(f"{d}: no metrics.jsonl (nor a quickstart's compare.json): not a run directory")
+        hint = ("; it holds an evaluation's results.json, whose report.html posttrain eval writes (rerun the evaluation "
+                "to rebuild it)") if (d / "results.json").is_file() else ""
+        raise UserError(f"{d}: no metrics.jsonl (nor a quickstart's compare.json): not a run directory{hint}")
     sections = {}
     for name, file in (("summary", "summary.json"), ("plan vs measured", "plan.json")):
         if (d / file).is_file():

@@ -45,6 +45,8 @@ def _read_rows(path: str) -> list[dict]:
 
 
 def _validate(path: str, rows: list[dict], needs: dict[str, tuple]) -> None:
+    from posttrain.rewards.registry import reserved_column  # loaded by now (compose came first)
+
     for row in rows:
         n = row["__line__"]
         c = row.get("completion")
@@ -52,6 +54,8 @@ def _validate(path: str, rows: list[dict], needs: dict[str, tuple]) -> None:
             raise DataError(path, n, "completion", "missing")
         if not isinstance(c, (str, list)) or (isinstance(c, list) and not all(isinstance(m, dict) and "content" in m for m in c)):
             raise DataError(path, n, "completion", "must be a string or a list of {role, content} messages")
+        if (hit := reserved_column(row)) is not None:
+            raise DataError(path, n, hit[0], f"this column name is taken by {hit[1]}")
         for reward, cols in needs.items():
             for col in cols:
                 alts = col if isinstance(col, tuple) else (col,)

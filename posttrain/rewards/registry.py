@@ -75,6 +75,19 @@ def names() -> list[str]:
     return sorted(REGISTRY)
 
 
+RESERVED_COLUMNS = {"prompts": "prompt", "completions": "completion"}  # the reward call's own argument names
+
+
+def reserved_column(row: dict) -> tuple[str, str] | None:
+    """(column, what it collides with) for a dataset column named like the arguments a reward receives the prompts and
+    completions in (TRL's f(prompts, completions, **columns) cannot take it), else None."""
+    for col, single in RESERVED_COLUMNS.items():
+        if col in row:
+            return col, (f"the argument rewards receive the {col} in (f(prompts, completions, **columns)); rename the "
+                         f"column (the {single} column is `{single}`)")
+    return None
+
+
 def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:
     """'math:1.0,my.py:brevity:0.2' | {'math': 1.0} | [('math', 1.0)] -> [(name, weight)]; weight
     defaults to 1. File rewards (`path.py:function`) are loaded here and named `file.py:function`."""
@@ -96,6 +109,10 @@ def parse_spec(spec: str | dict | list) -> list[tuple[str, float]]:
             raise UserError(f"reward spec '{spec}': weight of '{ref}' is not a number: {w!r}") from None
         if not math.isfinite(weight):
             raise UserError(f"reward spec '{spec}': weight of '{ref}' must be finite")
+        if any(name == n for n, _ in out):  # the sum would count it twice while its breakdown shows it once
+            total = sum(w for n, w in out if n == name) + weight
+            raise UserError(f"reward spec '{spec}': '{name}' appears twice; give it once with the weight you mean "
+                            f"('{name}:{total:g}' for the sum of both)")
         out.append((name, weight))
     return out
 

@@ -188,3 +188,31 @@ def test_serve_select_keeps_the_best_of_n_samples(tmp_path):
         build_selector(ServeConfig(select="best_of_n", n=4, reward="math"))
     with pytest.raises(UserError, match="needs reward="):
         build_selector(ServeConfig(select="majority", n=4))
+
+
+def test_eval_best_of_n_by_a_reward_model_is_not_an_oracle(tmp_path):
+    """select_reward=rm:PATH ranks by a (random, untrained) reward model; the verifier still judges the kept sample."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.eval.cli import main as eval_main
+    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.rewards.reward_model import RewardModelScorer
+
+    rm, lm = tmp_path / "rm", tmp_path / "lm"
+    load_model("tiny-random").save_pretrained(lm)
+    model = AutoModelForSequenceClassification.from_pretrained(lm, num_labels=1)
+    tok = load_tokenizer("tiny-random")
+    model.config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(rm)
+    tok.save_pretrained(rm)
+    out = tmp_path / "ev"
+    assert eval_main(["model=tiny-random", "data=single_digit_add:all", "max_items=2", "n=3", "k=1,3", "max_new_tokens=4",
+                      "select=best_of_n", f"select_reward=rm:{rm}", f"output_dir={out}"]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["selection"]["oracle"] is False and "sees no reference" in doc["selection"]["by"]
+    scorer = RewardModelScorer(str(rm), device="cpu")
+    for it in doc["items"]:
+        prompt = [{"role": "user", "content": it["question"]}]
+        scores = scorer([prompt] * 3, [s["text"] for s in it["samples"]])
+        assert it["selection"]["selected"]["3"] == scores.index(max(scores))
+        assert it["bon@3"] == it["correct"][scores.index(max(scores))]

@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int | None:
         from posttrain.eval.rank import main as rank_main
 
         return rank_main(argv[1:])
-    cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination]")  # a bad key or value: ConfigError, reported by the CLI
+    cfg = parse_args(EvalConfig, argv, prog="posttrain eval [compare A B | contamination | rank FILE...]")  # a bad key or value: ConfigError, reported by the CLI
     doc = run_eval(cfg)
     print_summary(doc, cfg.output_dir)
     return 0

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 from pathlib import Path
 
 import yaml
 
-from posttrain.eval import stats
-from posttrain.rollout.select import best_index, majority_index
+from posttrain.eval.selection import equal_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGETS = (10, 20, 40, 80, 160, 320)
 ORDERS = 500
 
 
@@ -46,59 +43,23 @@ def evaluate(model: str, select: str, out: Path, n: int) -> dict:
     return run_eval(cfg)
 
 
-def within(tokens: list[int], budget: int) -> int:
-    """How many samples, taken in order, fit in `budget` tokens (at least one)."""
-    used = m = 0
-    for t in tokens:
-        if m and used + t > budget:
-            break
-        used, m = used + t, m + 1
-    return m
+def fmt(m: dict) -> str:
+    return f"{m['value']:.3f} [{m['low']:.3f}, {m['high']:.3f}]"
 
 
-def at_budget(doc: dict, budget: int, orders: int = ORDERS, seed: int = 0) -> list[dict]:
-    """Per problem, averaged over `orders` seeded random orders of its n samples (the draws are exchangeable, so
-    this is the expected value of drawing until the budget is spent; one order alone is noisy): samples used,
-    tokens spent, and the verdict of the answer best-of-N (verifier) and majority keep."""
-    rng = random.Random(seed)
-    rows = []
-    for it in doc["items"]:
-        n = len(it["samples"])
-        acc = {"m": 0.0, "tokens": 0.0, "bon": 0.0, "maj": 0.0}
-        for _ in range(orders):
-            perm = rng.sample(range(n), n)
-            toks = [it["samples"][j]["tokens"] for j in perm]
-            m = within(toks, budget)
-            pick = perm[:m]
-            acc["m"] += m
-            acc["tokens"] += sum(toks[:m])
-            acc["bon"] += it["correct"][pick[best_index([it["scores"][j] for j in pick])]]
-            acc["maj"] += it["correct"][pick[majority_index([it["classes"][j] for j in pick])[0]]]
-        rows.append({k: v / orders for k, v in acc.items()})
-    return rows
-
-
-def interval(xs: list[float]) -> str:
-    mean, lo, hi = stats.bootstrap_interval(xs, 0.95, 10000, 0)
-    return f"{mean:.3f} [{lo:.3f}, {hi:.3f}]"
-
-
-def paired(a: list[float], b: list[float]) -> str:
-    r = stats.paired_bootstrap(a, b, resamples=10000, seed=0)
-    return f"{r['diff']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
+def fmt_diff(m: dict) -> str:
+    return f"{m['value']:+.3f} [{m['low']:+.3f}, {m['high']:+.3f}]"
 
 
 def table(base: dict, rl: dict) -> str:
     lines = ["| budget (tokens / problem) | base: samples, tokens | base best-of-N (verifier: oracle) | base majority | "
              "GRPO: samples, tokens | GRPO majority | GRPO best-of-N (oracle) | GRPO maj − base maj | GRPO maj − base best-of-N |",
              "|---|---|---|---|---|---|---|---|---|"]
-    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
-    for b in BUDGETS:
-        x, y = at_budget(base, b), at_budget(rl, b)
-        lines.append(f"| {b} | {mean(x, 'm'):.1f}, {mean(x, 'tokens'):.1f} | {interval([r['bon'] for r in x])} | "
-                     f"{interval([r['maj'] for r in x])} | {mean(y, 'm'):.1f}, {mean(y, 'tokens'):.1f} | "
-                     f"{interval([r['maj'] for r in y])} | {interval([r['bon'] for r in y])} | "
-                     f"{paired([r['maj'] for r in x], [r['maj'] for r in y])} | {paired([r['bon'] for r in x], [r['maj'] for r in y])} |")
+    for r in equal_tokens(base, rl, orders=ORDERS)["rows"]:
+        x, y = r["a"], r["b"]
+        lines.append(f"| {r['budget']} | {x['samples']:.1f}, {x['tokens']:.1f} | {fmt(x['best_of_n'])} | {fmt(x['majority'])} | "
+                     f"{y['samples']:.1f}, {y['tokens']:.1f} | {fmt(y['majority'])} | {fmt(y['best_of_n'])} | "
+                     f"{fmt_diff(r['b_maj_minus_a_maj'])} | {fmt_diff(r['b_maj_minus_a_best_of_n'])} |")
     return "\n".join(lines)
 
 

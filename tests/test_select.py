@@ -216,3 +216,22 @@ def test_eval_best_of_n_by_a_reward_model_is_not_an_oracle(tmp_path):
         scores = scorer([prompt] * 3, [s["text"] for s in it["samples"]])
         assert it["selection"]["selected"]["3"] == scores.index(max(scores))
         assert it["bon@3"] == it["correct"][scores.index(max(scores))]
+
+
+def test_equal_tokens_by_hand():
+    """One problem, samples of 10 tokens, right / wrong / wrong with answers 5, 7, 7: a 10-token budget keeps one
+    random sample (right with p 1/3), 30 tokens keeps all three: best-of-N right, majority (7) wrong."""
+    from posttrain.eval.selection import at_budget, equal_tokens
+
+    item = {"id": "0", "samples": [{"tokens": 10}] * 3, "correct": [1, 0, 0], "scores": [1.0, 0.0, 0.0], "classes": [0, 1, 1]}
+    doc = {"items": [item]}
+    [one] = at_budget(doc, 10, orders=3000)
+    assert one["m"] == 1 and one["tokens"] == 10 and one["bon"] == pytest.approx(1 / 3, abs=0.03)
+    [allthree] = at_budget(doc, 30, orders=50)
+    assert (allthree["m"], allthree["bon"], allthree["maj"]) == (3, 1.0, 0.0)
+    [two] = at_budget(doc, 25, orders=3000)  # two of three: the right one among them with p 2/3; majority right only on 5 before 7 (1/3)
+    assert two["bon"] == pytest.approx(2 / 3, abs=0.03) and two["maj"] == pytest.approx(1 / 3, abs=0.03)
+    r = equal_tokens(doc, doc, budgets=(30,), orders=20)["rows"][0]
+    assert r["b_maj_minus_a_maj"]["value"] == 0.0 and r["a"]["best_of_n"]["value"] == 1.0
+    with pytest.raises(ValueError, match="no samples or answer classes"):
+        at_budget({"items": [{"id": "x", "correct": [1]}]}, 10)

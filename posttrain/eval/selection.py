@@ -105,3 +105,70 @@ class EvalSelection:
 
     def report(self, summary: dict) -> dict:
         return selection_report(self.method, self.describe, self.oracle, self.records, summary, self.ks)
+
+
+# ---------------------------------------------------------------- two models at equal generated tokens
+
+BUDGETS = (10, 20, 40, 80, 160, 320)
+
+
+def within(tokens: list[int], budget: int) -> int:
+    """How many samples, taken in order, fit in `budget` tokens (at least one)."""
+    used = m = 0
+    for t in tokens:
+        if m and used + t > budget:
+            break
+        used, m = used + t, m + 1
+    return m
+
+
+def at_budget(doc: dict, budget: int, orders: int = 500, seed: int = 0) -> list[dict]:
+    """Per problem of an eval results doc, the mean over `orders` seeded random orders of its n samples (draws are
+    exchangeable, so this is the expected value of sampling until the budget is spent; one order alone is noisy):
+    samples used `m`, `tokens` spent, and the verdicts of the answers best-of-N by the verifier (`bon`, an oracle)
+    and majority (`maj`) keep. Needs the samples' tokens, scores and answer classes (eval with a math verifier)."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for it in doc["items"]:
+        n = len(it.get("samples") or [])
+        if not n or "classes" not in it:
+            raise ValueError(f"problem {it.get('id')!r}: no samples or answer classes (needs save_samples and a math verifier)")
+        acc = {"m": 0.0, "tokens": 0.0, "bon": 0.0, "maj": 0.0}
+        for _ in range(orders):
+            perm = rng.sample(range(n), n)
+            toks = [it["samples"][j]["tokens"] for j in perm]
+            pick = perm[:within(toks, budget)]
+            acc["m"] += len(pick)
+            acc["tokens"] += sum(toks[:len(pick)])
+            acc["bon"] += it["correct"][pick[best_index([it["scores"][j] for j in pick])]]
+            acc["maj"] += it["correct"][pick[majority_index([it["classes"][j] for j in pick])[0]]]
+        rows.append({k: v / orders for k, v in acc.items()})
+    return rows
+
+
+def equal_tokens(a: dict, b: dict, budgets=BUDGETS, orders: int = 500, seed: int = 0, confidence: float = 0.95) -> dict:
+    """A (e.g. the base model) against B (the trained one) at equal generated tokens per problem: for each budget,
+    each side's samples and tokens used, best-of-N (verifier: oracle) and majority accuracy with percentile
+    bootstrap intervals over problems, and the paired differences B maj − A maj and B maj − A best-of-N."""
+    from posttrain.eval import stats
+
+    def iv(xs):
+        mean, lo, hi = stats.bootstrap_interval(xs, confidence, 10000, seed)
+        return {"value": mean, "low": lo, "high": hi}
+
+    def diff(x, y):
+        r = stats.paired_bootstrap(x, y, confidence, 10000, seed)
+        return {"value": r["diff"], "low": r["low"], "high": r["high"]}
+
+    rows = []
+    for budget in budgets:
+        x, y = at_budget(a, budget, orders, seed), at_budget(b, budget, orders, seed)
+        side = lambda rs: {"samples": sum(r["m"] for r in rs) / len(rs), "tokens": sum(r["tokens"] for r in rs) / len(rs),
+                           "best_of_n": iv([r["bon"] for r in rs]), "majority": iv([r["maj"] for r in rs])}
+        rows.append({"budget": budget, "a": side(x), "b": side(y), "b_maj_minus_a_maj": diff([r["maj"] for r in x], [r["maj"] for r in y]),
+                     "b_maj_minus_a_best_of_n": diff([r["bon"] for r in x], [r["maj"] for r in y])})
+    return {"rows": rows, "orders": orders, "confidence": confidence,
+            "method": f"mean over {orders} orders of each problem's samples; percentile bootstrap over problems (paired for differences); "
+                      "best-of-N by the verifier sees the reference (an oracle), majority does not"}

@@ -146,6 +146,23 @@ def curve_html(cmp: dict) -> str:
             f"{svg_overlay(cur['rows'], 'before', 'after')} {svg_difference(cur['rows'])}<p class='muted'>{html.escape(cur['method'])}</p>")
 
 
+def equal_tokens_html(cmp: dict) -> str:
+    """compare.json's `equal_tokens`: best-of-N (verifier: an oracle) and majority on the base model against the
+    trained model, per budget of generated tokens per problem (eval/selection.equal_tokens)."""
+    et = cmp.get("equal_tokens")
+    if not et:
+        return ""
+    f = lambda m: f"{m['value']:.3f} [{m['low']:.3f}, {m['high']:.3f}]"
+    d = lambda m: f"{m['value']:+.3f} [{m['low']:+.3f}, {m['high']:+.3f}]"
+    rows = "".join(f"<tr><td>{r['budget']}</td><td>{r['a']['samples']:.1f} / {r['a']['tokens']:.0f}</td><td>{f(r['a']['best_of_n'])}</td>"
+                   f"<td>{f(r['a']['majority'])}</td><td>{r['b']['samples']:.1f} / {r['b']['tokens']:.0f}</td><td>{f(r['b']['majority'])}</td>"
+                   f"<td>{d(r['b_maj_minus_a_maj'])}</td><td>{d(r['b_maj_minus_a_best_of_n'])}</td></tr>" for r in et["rows"])
+    return ("<h2>RL against sampling more from the base model, at equal generated tokens</h2><table><tr><th>tokens per problem</th>"
+            "<th>base: samples / tokens</th><th>base best-of-N (verifier: oracle)</th><th>base majority</th>"
+            "<th>trained: samples / tokens</th><th>trained majority</th><th>trained maj − base maj</th>"
+            f"<th>trained maj − base best-of-N</th></tr>{rows}</table><p class='muted'>{html.escape(et['method'])}</p>")
+
+
 def write_quickstart_report(out: str | Path) -> Path:
     out = Path(out)
     before, after, cmp = (_load(out / p) for p in ("eval_before/results.json", "eval_after/results.json", "compare.json"))
@@ -159,6 +176,7 @@ def write_quickstart_report(out: str | Path) -> Path:
 <body><h1>posttrain quickstart: GRPO on {html.escape(before['protocol']['model']['name'].split('/')[-1])}, evaluated on held-out problems</h1>
 {headline(before, after, cmp, rows, str(hw_text))}
 {curve_html(cmp)}
+{equal_tokens_html(cmp)}
 <h2>Training</h2>{f'<img src="{grid.name}" alt="training curves">' if grid else '<p>no metrics</p>'}
 <h2>Health alarms</h2>{alarms_html(summary)}
 <h2>Predicted vs measured cost (GRPO stage)</h2>{cost_table(plan)}

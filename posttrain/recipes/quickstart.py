@@ -125,6 +125,12 @@ def main(argv: list[str]) -> None:
     print("[4/4] compare (paired over the same problems and sample seeds)", flush=True)
     before["_path"], after["_path"] = str(out / "eval_before" / "results.json"), str(out / "eval_after" / "results.json")
     result = compare(before, after, curve=True)  # + pass@k at every k: sharpening or expanding
+    from posttrain.eval.selection import equal_tokens
+
+    try:  # RL's gain next to best-of-N and majority on the base model, at equal generated tokens (the same samples)
+        result["equal_tokens"] = equal_tokens(before, after)
+    except ValueError as e:  # an evaluation without saved samples or a math verifier
+        print(f"      no equal-token comparison: {e}", flush=True)
     (out / "compare.json").write_text(json.dumps(result, indent=1))
     print_comparison(result)
     (out / "quickstart.json").write_text(json.dumps({"machine": machine(), "seconds": time.perf_counter() - t0}))

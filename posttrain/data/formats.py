@@ -186,6 +186,18 @@ def _read_mixture(spec: str, seed: int) -> list[Row]:
     return sources.mix(tables, [w for _, w in parts], seed)
 
 
+def check_not_input(output: str | Path, inputs: dict[str, str | Path], key: str = "output") -> None:
+    """Refuse an output file that is one of the command's input files (`inputs`: key -> path): writing it would
+    replace what the command reads, finished work included."""
+    if not str(output):
+        return
+    out = Path(output).resolve()
+    for name, path in inputs.items():
+        if path and Path(path).is_file() and Path(path).resolve() == out:
+            raise UserError(f"{key}={output} is the {name} file itself: writing it would replace that input; "
+                            f"choose another {key}= path")
+
+
 # ---------------------------------------------------------------- validation
 
 

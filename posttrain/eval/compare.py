@@ -27,6 +27,7 @@ from pathlib import Path
 from pydantic import Field
 
 from posttrain.config import Config, parse_args, split_args
+from posttrain.data.formats import check_not_input
 from posttrain.errors import UserError
 from posttrain.eval import protocol as P
 from posttrain.eval import stats
@@ -190,6 +191,9 @@ def main(argv: list[str]) -> int:
         raise UserError("usage: posttrain eval compare A/results.json B/results.json [allow_protocol_diff=true] "
                         f"[metric=pass@1]: give two results files or eval folders{got}")
     cfg = parse_args(CompareConfig, rest, prog="posttrain eval compare A/results.json B/results.json")
+    files = {side: Path(p) / "results.json" if Path(p).is_dir() else Path(p) for side, p in zip("AB", paths)}
+    check_not_input(cfg.output, {f"results {k}": v for k, v in files.items()})
+    check_not_input(cfg.report, {f"results {k}": v for k, v in files.items()}, "report")
     result = compare(load_results(paths[0]), load_results(paths[1]), cfg.metric, cfg.allow_protocol_diff,
                      cfg.confidence, cfg.bootstrap, cfg.seed, curve=cfg.curve)
     print_comparison(result)

@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 
 from posttrain.config import Config, parse_args
-from posttrain.data.formats import read_rows
+from posttrain.data.formats import check_not_input, read_rows
 from posttrain.errors import UserError
 
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
@@ -149,6 +149,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not cfg.train or not cfg.eval:
         raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")
+    check_not_input(cfg.output, {"train=": cfg.train, "eval=": cfg.eval})
     train = [r.data for r in read_rows(cfg.train)]
     evals = [r.data for r in read_rows(cfg.eval)]
     check_inputs(cfg, train, evals)

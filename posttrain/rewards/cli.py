@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
-from posttrain.data.formats import read_rows
+from posttrain.data.formats import check_not_input, read_rows
 from posttrain.errors import DataError, UserError
 from posttrain.rewards.pool import default_pool
 
@@ -80,6 +80,7 @@ def main(argv: list[str]) -> None:
     for key in ("data", "reward", "output"):
         if not getattr(cfg, key):
             raise UserError(f"missing key '{key}': posttrain score data=FILE.jsonl reward=NAME output=OUT.jsonl")
+    check_not_input(cfg.output, {"data=": cfg.data})
     composed = registry.compose(cfg.reward, on_error="record", options=cfg.reward_args)
     rows = _read_rows(cfg.data)
     _validate(cfg.data, rows, composed.columns)

@@ -243,6 +243,8 @@ def cases(ws):
              setup=_file("r.json", "{oops")),
         Case("compare-not-results", ["eval", "compare", "{prompts}", "{run:eval}"], ERROR, ("prompts.jsonl",)),
         Case("compare-absent-metric", ["eval", "compare", "{run:eval}", "{run:eval}", "metric=pass@64"], ERROR, ("pass@64",)),
+        Case("compare-output-over-an-input", ["eval", "compare", "{copy:eval}", "{run:eval}", "output={copy:eval}/results.json"],
+             ERROR, ("results A file itself", "output="), keep=("{copy:eval}",)),
         Case("compare-unknown-key", ["eval", "compare", "{run:eval}", "{run:eval}", "metrc=pass@1"], ERROR, ("metrc",)),
         # ---- eval contamination
         Case("contamination-self", [*CONTAM, "output={tmp}/c.json"], WORKS, check=_contaminated(1.0)),
@@ -252,6 +254,9 @@ def cases(ws):
         Case("contamination-empty-train", [*CONTAM, "train={empty}"], ERROR, ("train=", "empty.jsonl", "no rows")),
         Case("contamination-field-no-row-has", [*CONTAM, "fields=question"], ERROR, ("fields=question", "prompt")),
         Case("contamination-items-too-short", [*CONTAM, "min_words=50"], ERROR, ("min_words=50",)),
+        Case("contamination-output-over-train", ["eval", "contamination", "train={tmp}/t.jsonl", "eval={prompts}",
+                                                 "output={tmp}/t.jsonl"], ERROR, ("train= file itself",),
+             setup=_rows("t.jsonl", [{"prompt": "What is 1 + 1? Answer with the number, please, now."}]), keep=("{tmp}/t.jsonl",)),
         Case("contamination-no-train", ["eval", "contamination", "eval={prompts}"], ERROR, ("train=",)),
         Case("contamination-n-0", [*CONTAM, "n=0"], ERROR, ("n",)),
         # ---- generate
@@ -283,6 +288,8 @@ def cases(ws):
              setup=_rows("c.jsonl", [{"completion": "2"}])),
         Case("score-empty", [*SCORE, "data={empty}"], ERROR, ("empty.jsonl",)),
         Case("score-unknown-reward", [*SCORE, "reward=mathh"], ERROR, ("mathh",)),
+        Case("score-output-over-its-data", ["score", "data={tmp}/c.jsonl", "reward=math", "output={tmp}/c.jsonl"], ERROR,
+             ("data= file itself",), setup=_rows("c.jsonl", [{"completion": "2", "answer": "2"}]), keep=("{tmp}/c.jsonl",)),
         Case("score-no-output", ["score", "data={completions}", "reward=math"], ERROR, ("output",)),
         # ---- report
         Case("report-not-a-run", [*REPORT, "{tmp}"], ERROR, ("not a run directory",)),

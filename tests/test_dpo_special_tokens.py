@@ -64,3 +64,10 @@ def test_length_growth_alarm_names_the_length_normalised_losses():
     assert alarms.update(4, {"length/ratio": 1.6}) == {"alarm/length_growth": 1}
     text = out.getvalue()
     assert "1.60x the reference's length" in text and "loss=simpo" in text and "loss=dpo_norm" in text
+
+
+def test_mask_special_tokens_wrong_type_is_refused_by_name():
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mask_special_tokens: Input should be a valid boolean"):
+        parse_args(dpo.DPOConfig, ["mask_special_tokens=sometimes"])

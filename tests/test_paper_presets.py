@@ -146,3 +146,24 @@ def test_show_preset_reflects_overrides():
 def test_docs_carry_each_presets_show_preset_output(algo):
     assert describe_preset(algo) in (ROOT / "docs" / "algorithms.md").read_text(), (
         f"docs/algorithms.md: paste `posttrain rl algo={algo} --show-preset`'s preset block")
+
+
+def test_dapo_run_adds_the_overlong_reward(tmp_path):
+    """algo=dapo on the tiny model: the composed reward has the overlong part, scored in tokens against
+    max_new_tokens (samples forced to the limit: L = Lmax, penalty −1 each)."""
+    from conftest import COUNT_PROMPTS, write_jsonl
+    from posttrain.rewards.base import register
+
+    @register("space_frac_dapo", description="test reward: share of spaces")
+    def space_frac_dapo(prompts, completions, **kw):
+        return [c.count(" ") / max(len(c), 1) for c in completions]
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", COUNT_PROMPTS)
+    cfg = parse_args(rl.RLConfig, ["model=tiny-random", f"data={data}", f"output_dir={tmp_path / 'run'}", "algo=dapo",
+                                   "reward=space_frac_dapo", "prompts_per_step=2", "group_size=4", "max_new_tokens=5",
+                                   "ignore_eos=true", "max_resample=0", "max_steps=1", "progress=false"])
+    run = rl.setup(cfg)
+    assert [name for name, _ in run.reward_fn.parts] == ["space_frac_dapo", "overlong"]
+    row = rl.rl_step(run, 0)
+    run.rollout.close()
+    assert row["rewards/overlong/mean"] == -1.0 and row["rewards/overlong/std"] == 0.0

@@ -25,8 +25,11 @@ def test_quickstart_writes_the_report(tmp_path, capsys):
     assert "[4/4] compare" in printed and "step   4/4" in printed and "plan:" in printed
     cmp = json.loads((out / "compare.json").read_text())
     assert cmp["bootstrap"]["items"] == 4 and "mcnemar" in cmp
+    assert cmp["curve"]["ks"] == [1, 2] and cmp["curve"]["verdict"] in ("sharpening", "expanding", "unclear")
+    assert [r["budget"] for r in cmp["equal_tokens"]["rows"]] == [10, 20, 40, 80, 160, 320]
     page = (out / "report.html").read_text()
     assert "held-out pass@1" in page and "training.png" in page and "Predicted vs measured" in page
+    assert page.count("<svg") == 2 and "at equal generated tokens" in page  # the pass@k overlay, RL vs best-of-N
     assert (out / "training.png").stat().st_size > 10_000
     # `posttrain report` rebuilds the same page from the files alone
     (out / "report.html").unlink()

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"interrupted: {interrupted_note(name, _run_dir())}", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `posttrain methods | head`: the reader left; nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         _close_process_group()
     return int(result or 0)

@@ -129,6 +129,22 @@ class CommonConfig(Config):
     gradient_checkpointing: bool = Field(False, description="recompute each layer's activations in backward: less memory, about one more forward of compute")
 
 
+# ---------------------------------------------------------------- keys that only some runs read
+
+
+def unused_key(cfg: BaseModel, applies: dict[str, tuple[Any, str]]) -> str | None:
+    """A config's keys that only some runs read: `applies` maps key -> (reads(cfg) -> bool, what it applies to).
+    -> the refusal of the first key set away from its default by a run that does not read it, else None: an
+    option given and silently ignored makes a different run than the one asked for. At its default a key is
+    accepted whatever the run (a run's own config.yaml writes every key)."""
+    for key, (reads, what) in applies.items():
+        if key not in cfg.model_fields_set or reads(cfg):
+            continue
+        if getattr(cfg, key) != type(cfg).model_fields[key].get_default(call_default_factory=True):
+            return f"{key} applies to {what}, which this run is not: drop {key} (or change the run)"
+    return None
+
+
 # ---------------------------------------------------------------- keys, help, suggestions
 
 
@@ -347,8 +363,29 @@ def build(cls: type[BaseModel], data: dict, source: str = "config") -> Any:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
             got = err.get("input")
-            msgs.append(f"{source}: {loc}: {err['msg']} (got {got!r}){_quote_hint(err, loc)}")
-        raise ConfigError("\n".join(msgs)) from None
+            msg = err["msg"].removeprefix("Value error, ")
+            if not loc or isinstance(got, dict):  # a check across keys (model_validator): its message names them
+                msgs.append(f"{source}: {_name_the_key(msg, data)}")
+            else:
+                msgs.append(f"{source}: {loc}: {msg} (got {got!r}){_quote_hint(err, loc)}")
+        raise ConfigError("; ".join(msgs)) from None
+
+
+def _leaves(data: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in data.items():
+        out.extend(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)])
+    return out
+
+
+def _name_the_key(msg: str, data: dict) -> str:
+    """A check across keys that quotes a value but not its key ("unknown distillation loss 'kl'") gets the key
+    in front ("divergence=kl: ..."), when exactly one given key holds that value."""
+    hits = [(k, v) for k, v in _leaves(data) if isinstance(v, str) and v and f"'{v}'" in msg]
+    if len(hits) != 1 or hits[0][0].rsplit(".", 1)[-1] in msg:
+        return msg
+    key, value = hits[0]
+    return f"{key}={value}: {msg}"
 
 
 def _a(noun: str) -> str:

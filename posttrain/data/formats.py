@@ -143,6 +143,9 @@ def read_rows(source: str | Path, seed: int = 0) -> list[Row]:
     (`org/name[:config]:split`, through `datasets.load_dataset`, from its cache offline) or a weighted mixture of
     these (`a.jsonl:0.7,org/name:0.3`, subsampled with `seed`): data/sources.py."""
     name = str(source)
+    if not name.strip():  # `data=` left empty (the recipe's default for data it cannot guess)
+        raise UserError("data= is required: give a .jsonl/.json/.parquet file, a datasets folder, a Hub dataset "
+                        f"(org/name[:split]) or a task ({', '.join(tasks.TASKS)}); formats in docs/data.md")
     if sources.is_mixture(name):
         return _read_mixture(name, seed)
     if name in tasks.TASKS or name.split(":", 1)[0] in tasks.TASKS:

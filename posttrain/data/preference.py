@@ -167,20 +167,30 @@ def check_unpaired(row: Row) -> Unpaired:
     return Unpaired(prompt, completion, row.data["label"], row)
 
 
-def load_pairs(source: str | Path, seed: int = 0) -> list[Pair]:
-    """Every row of a preference dataset, validated (explicit or implicit prompt)."""
+PREFERENCE_DATA = ("preference pairs, one {prompt, chosen, rejected} object a row (or {chosen, rejected} conversations; "
+                   "kto also {prompt, completion, label}), as .jsonl, .json, .parquet, a datasets folder or a Hub dataset "
+                   "(docs/data.md)")
+
+
+def _read(source: str | Path, seed: int, key: str = "data") -> list[formats.Row]:
+    if not str(source).strip():
+        raise UserError(f"{key}= is required: {PREFERENCE_DATA}")
     rows = formats.read_rows(source, seed)
     if not rows:
-        raise UserError(f"{source}: the dataset is empty")
+        raise UserError(f"{source}: the dataset is empty (no rows): {PREFERENCE_DATA}")
+    return rows
+
+
+def load_pairs(source: str | Path, seed: int = 0) -> list[Pair]:
+    """Every row of a preference dataset, validated (explicit or implicit prompt)."""
+    rows = _read(source, seed)
     fmt = formats.detect_format(rows[0], PAIRED)
     return [check_pair(row, fmt) for row in rows]
 
 
 def load_preference(source: str | Path, unpaired_ok: bool = False, seed: int = 0) -> list[Pair] | list[Unpaired]:
     """Pairs; with `unpaired_ok` (KTO) also an unpaired dataset ({prompt, completion, label}). `seed`: a mixture's draw."""
-    rows = formats.read_rows(source, seed)
-    if not rows:
-        raise UserError(f"{source}: the dataset is empty")
+    rows = _read(source, seed)
     fmt = formats.detect_format(rows[0], PAIRED + (UNPAIRED if unpaired_ok else ()))
     if fmt in UNPAIRED:
         return [check_unpaired(row) for row in rows]

@@ -111,11 +111,32 @@ def _build(path: Path | str | None, name: str, dtype: torch.dtype, seed: int):
         return build_tiny(name, seed=seed, dtype=dtype)
     if isinstance(path, str):
         return _from_hub(AutoModelForCausalLM.from_pretrained, path, dtype=dtype)
-    if (path / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        return AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        return _adapter(path, dtype, seed)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def _adapter(path: Path, dtype: torch.dtype, seed: int):
+    """A PEFT adapter folder: its base (`base_model_name_or_path`, resolved as any `model=`: a built-in name, a
+    folder or a Hub id, so a missing base fails at once instead of on the Hub) with the adapter merged in
+    (W + (alpha / r) B A): a plain model every recipe trains, samples and scores like any other."""
+    import json
+
+    from peft import PeftModel
+
+    try:
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}/adapter_config.json: unreadable ({e})") from None
+    merged = f"; the merged model next to it loads as model={path.parent}" if (path.parent / "config.json").is_file() else ""
+    if not base:
+        raise UserError(f"{path} is a LoRA adapter whose adapter_config.json names no base model "
+                        f"(base_model_name_or_path){merged}")
+    try:
+        model = _build(resolve(base), base, dtype, seed)
+    except UserError as e:
+        raise UserError(f"{path} is a LoRA adapter of '{base}', which cannot be loaded: {e}{merged}") from None
+    return PeftModel.from_pretrained(model, str(path)).merge_and_unload().requires_grad_(True)  # PEFT froze the base
 
 
 def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, varlen_attention: bool = True,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from pydantic import Field
 
 from posttrain.config import Config
@@ -26,12 +27,40 @@ def apply_lora(model, cfg: LoraSettings, task_type: str = "CAUSAL_LM"):
     """`task_type` SEQ_CLS (reward models): PEFT also trains the new `score` head in full."""
     from peft import LoraConfig, get_peft_model
 
-    targets = cfg.target_modules if cfg.target_modules == "all-linear" else [t.strip() for t in cfg.target_modules.split(",")]
+    targets = cfg.target_modules if cfg.target_modules == "all-linear" else [t.strip() for t in cfg.target_modules.split(",") if t.strip()]
+    check_modules(model, targets, cfg.modules_to_save)
     peft_cfg = LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
         modules_to_save=cfg.modules_to_save or None, task_type=task_type, bias="none",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def check_modules(model, targets: str | list[str], modules_to_save: list[str]) -> None:
+    """Every name in lora.target_modules and lora.modules_to_save names a module of `model`, as PEFT matches them
+    (the full name, or its last components: `q_proj` is every `...self_attn.q_proj`). PEFT refuses an unknown
+    target with its own traceback and silently skips an unknown module to save."""
+    from posttrain.errors import UserError
+
+    names = [n for n, _ in model.named_modules() if n]
+
+    def found(key: str) -> bool:
+        return any(n == key or n.endswith("." + key) for n in names)
+
+    def leaves(kind=None) -> str:
+        tails = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if n and not n.rsplit(".", 1)[-1].isdigit() and (kind is None or isinstance(m, kind))})
+        return ", ".join(tails[:12]) + (", ..." if len(tails) > 12 else "")
+
+    model_type = getattr(getattr(model, "config", None), "model_type", "the model")
+    for key in [] if targets == "all-linear" else targets:
+        if not found(key):
+            raise UserError(f"lora.target_modules: {model_type} has no module '{key}' (its linear layers: "
+                            f"{leaves(torch.nn.Linear)}; or all-linear)")
+    for key in modules_to_save:
+        if not found(key):
+            raise UserError(f"lora.modules_to_save: {model_type} has no module '{key}' (e.g. embed_tokens, lm_head; "
+                            f"its modules: {leaves()})")
 
 
 def trainable_fraction(model) -> tuple[int, int]:

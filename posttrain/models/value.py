@@ -67,6 +67,23 @@ def value_model_from_policy(policy: nn.Module) -> ValueModel:
     return ValueModel(lm, head)  # the unused lm_head gets no gradient (tied to the embeddings in many models)
 
 
+def check_value_model(path: str) -> None:
+    """`value_model=` names a reward-model folder (a *ForSequenceClassification with one output, the final/ of
+    `posttrain rm`): checked from its config.json when the config is read, so a typo or a policy folder fails at
+    once (transformers would try the Hub with a typo, and give a policy a random two-label head). ValueError."""
+    from posttrain.models.reward_head import is_reward_model
+
+    folder = Path(path)
+    what = "a reward model folder (the final/ of `posttrain rm`); leave value_model empty for a copy of the policy with a zero value head"
+    if not folder.is_dir():
+        raise ValueError(f"value_model={path}: no such folder: give {what}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"value_model={path}: no config.json in the folder: give {what}")
+    if not is_reward_model(folder):
+        raise ValueError(f"value_model={path}: not a reward model (its config.json is not a *ForSequenceClassification "
+                         f"with one output; a policy folder?): give {what}")
+
+
 def value_model_from_reward_model(path: str, device, dtype=torch.float32) -> ValueModel:
     """From a folder saved by `AutoModelForSequenceClassification` (num_labels = 1): backbone + score head."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification

@@ -109,7 +109,9 @@ class RSConfig(Config):
             raise ValueError("rounds > 1 needs sft=true (without training every round samples the same model)")
         if self.n > 1 and self.sampling.temperature <= 0:
             raise ValueError("n > 1 needs sampling.temperature > 0 (greedy draws are all the same)")
-        clash = [k for k in SET_BY_RS if k in self.train.model_fields_set]
+        # at its default, a key rs sets is what the run's own config.yaml holds (--config <run>/config.yaml reads back)
+        clash = [k for k in SET_BY_RS if k in self.train.model_fields_set
+                 and getattr(self.train, k) != RSTrainSettings.model_fields[k].get_default(call_default_factory=True)]
         if clash:
             raise ValueError(f"train.{clash[0]} is set by rs each round: use the top-level key '{clash[0]}'")
         return self

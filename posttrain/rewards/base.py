@@ -39,10 +39,10 @@ class RewardSpec:
             return self.fn
         if self.factory is None:
             raise UserError(f"reward '{self.name}' takes no options (got {sorted(options)})")
-        try:
+        try:  # the factory checks its options (a math `mode`, a judge's URL) before any sample is drawn
             return self.factory(**(options or {}))
-        except TypeError as e:
-            raise UserError(f"reward '{self.name}': bad options {options}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise UserError(f"reward_args.{self.name}: bad options {options}: {e}") from None
 
 
 REGISTRY: dict[str, RewardSpec] = {}  # name -> spec; filled by `register`

@@ -24,6 +24,7 @@ import torch
 from pydantic import Field
 
 from posttrain.config import Config
+from posttrain.errors import UserError
 from posttrain.models.device import is_cpu
 from posttrain.ops.host_memory import keep_freed_memory
 from posttrain.ops.sampling import counter_uniforms, sample_logits
@@ -96,7 +97,10 @@ class Engine:
         self.kv_block_bytes = Runner.kv_bytes_per_token(model) * bs
         num_blocks = min(int(cfg.kv_cache_mb * 2**20 // self.kv_block_bytes), 2 * cfg.max_num_seqs * per_seq_blocks)
         if num_blocks < per_seq_blocks:
-            raise ValueError(f"kv_cache_mb={cfg.kv_cache_mb} holds {num_blocks * bs} tokens, less than max_model_len {self.max_model_len}")
+            need_mb = per_seq_blocks * self.kv_block_bytes / 2**20
+            raise UserError(f"engine.kv_cache_mb={cfg.kv_cache_mb:g} holds {num_blocks * bs} tokens of this model's KV "
+                            f"cache, less than one sequence of max_model_len={self.max_model_len}: give "
+                            f"engine.kv_cache_mb >= {need_mb:.3g} (or a smaller engine.max_model_len)")
         self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights, cfg.max_num_seqs if cfg.slot_kv else 0)
         if is_cpu(self.runner.device):  # host malloc tuning; CUDA tensors use PyTorch's caching allocator instead
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config import Config
 from posttrain.errors import UserError
@@ -15,13 +15,22 @@ from posttrain.errors import UserError
 class OptimSettings(Config):
     lr: float = Field(1e-5, gt=0, description="peak learning rate (full fine-tuning ~1e-5, LoRA ~1e-4)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1)")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps (0: use warmup_ratio)")
     warmup_ratio: float = Field(0.03, ge=0, le=1, description="warmup as a fraction of max_steps when warmup_steps=0")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decays to lr * min_lr_ratio")
     schedule: str = Field("cosine", pattern="^(cosine|constant|linear)$", description="cosine | linear | constant after warmup")
     max_grad_norm: float = Field(1.0, ge=0, description="clip the global gradient norm (0: no clipping)")
+
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        """AdamW's moment decays: β in [0, 1) (torch refuses others only when the optimizer is built)."""
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), e.g. [0.9, 0.999]; got {list(betas)}")
+        return betas
 
 
 def warmup_steps(opt: OptimSettings, max_steps: int) -> int:

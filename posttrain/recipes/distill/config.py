@@ -13,7 +13,7 @@ from pydantic import Field, model_validator
 
 from posttrain.algos import distill_losses
 from posttrain.algos.presets import rl_preset
-from posttrain.config import CommonConfig
+from posttrain.config import CommonConfig, unused_key
 from posttrain.eval.hook import EvalSettings
 from posttrain.models.lora import LoraSettings
 from posttrain.monitor.alarms import AlarmSettings
@@ -96,21 +96,32 @@ class DistillConfig(CommonConfig):
     keep_truncated: bool = _like(RSConfig, "keep_truncated", "sequence")
     epochs: float = _like(RSConfig, "epochs", "sequence")
 
-    MODE_KEYS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "logit": ("top_k", "cache_dtype", "cache_dir", "teacher_batch_tokens", "ce_weight"),
-        "on_policy": ("prompts_per_step", "group_size", "micro_batch_tokens", "rl_weight", "algo", "mask_truncated",
-                      "samples_per_log", "alarms", "eval"),
-        "sequence": ("n", "keep", "threshold", "keep_truncated", "epochs"),
+    # key -> the modes that read it (every other key: all three); set away from its default under another mode, a
+    # key is refused (posttrain.config.unused_key), with why where it is not obvious
+    KEY_MODES: ClassVar[dict[str, tuple[str, ...]]] = {
+        **dict.fromkeys(("top_k", "cache_dtype", "cache_dir", "teacher_batch_tokens", "ce_weight"), ("logit",)),
+        **dict.fromkeys(("prompts_per_step", "group_size", "micro_batch_tokens", "rl_weight", "algo", "mask_truncated",
+                         "samples_per_log", "alarms", "eval"), ("on_policy",)),
+        **dict.fromkeys(("n", "keep", "threshold", "keep_truncated", "epochs"), ("sequence",)),
+        **dict.fromkeys(("reward", "reward_args", "sampling", "engine"), ("on_policy", "sequence")),
+        **dict.fromkeys(("temperature", "logit_chunk"), ("logit", "on_policy")),
+        **dict.fromkeys(("batch_size", "micro_batch_size", "max_length", "too_long", "packing", "pad_to_multiple_of"),
+                        ("logit", "sequence")),
+    }
+    WHY: ClassVar[dict[str, str]] = {
+        "reward": " (logit mode learns the teacher's log-probs of the data: no sample is drawn to score)",
+        "reward_args": " (logit mode has no reward)", "sampling": " (logit mode samples nothing)",
+        "engine": " (logit mode samples nothing)",
     }
 
     @model_validator(mode="after")
     def _check(self):
         if not self.teacher:
             raise ValueError("teacher: name the teacher model (a folder, built-in name or Hub id)")
-        for mode, keys in self.MODE_KEYS.items():
-            given = [k for k in keys if k in self.model_fields_set]
-            if mode != self.mode and given:
-                raise ValueError(f"{given[0]} applies to mode={mode} (mode is {self.mode})")
+        refused = unused_key(self, {k: (lambda c, m=modes: c.mode in m, "mode=" + " | ".join(modes) + self.WHY.get(k, ""))
+                                    for k, modes in self.KEY_MODES.items()})
+        if refused:
+            raise ValueError(refused)
         if self.mode != "sequence":
             distill_losses.get(self.resolved_divergence)
         elif self.divergence is not None:

@@ -91,6 +91,9 @@ def ensure_cache(cfg: DistillConfig, samples, pad_id: int, device) -> tuple[cach
         return cache, {"built": False, "teacher_tokens": 0, "teacher_seconds": 0.0, "path": str(path)}
     teacher = load_model(cfg.teacher, dtype=cfg.teacher_dtype, seed=cfg.seed, device=device).eval().requires_grad_(False)
     vocab = teacher.get_output_embeddings().weight.shape[0]
+    if cfg.top_k > vocab:  # torch.topk would fail inside the cache writer
+        raise UserError(f"top_k={cfg.top_k} is above the teacher's vocabulary of {vocab} tokens: give top_k <= {vocab} "
+                        "(64 keeps nearly all of the probability mass)")
     cache, n, seconds = cache_mod.build(
         path, teacher, samples, k=cfg.top_k, temperature=cfg.temperature, value_dtype=cfg.cache_dtype, vocab=vocab,
         pad_id=pad_id, mixed_precision=cfg.mixed_precision, token_budget=cfg.teacher_batch_tokens, device=device)

@@ -54,8 +54,27 @@ def keep_finished(groups: list[list[rs.Sample]], keep_truncated: bool) -> tuple[
     """keep=all: every non-empty sample (and, unless keep_truncated, not cut at the length limit)."""
     kept = [[s for s in g if s.text.strip() and (keep_truncated or s.finish_reason != "length")] for g in groups]
     n_all, n_kept = sum(map(len, groups)), sum(map(len, kept))
+    n_empty = sum(not s.text.strip() for g in groups for s in g)
+    n_cut = sum(bool(s.text.strip()) and s.finish_reason == "length" and not keep_truncated for g in groups for s in g)
     return kept, {"kept/samples": n_kept, "kept/frac": n_kept / max(n_all, 1),
-                  "kept/prompt_frac": sum(bool(k) for k in kept) / max(len(groups), 1)}
+                  "kept/prompt_frac": sum(bool(k) for k in kept) / max(len(groups), 1),
+                  "dropped/empty": n_empty, "dropped/truncated": n_cut}
+
+
+def nothing_kept(cfg: DistillConfig, metrics: dict) -> UserError:
+    """Why no teacher sample was kept, and what keeps some."""
+    cut, empty = metrics.get("dropped/truncated", 0), metrics.get("dropped/empty", 0)
+    why = []
+    if cut:
+        why.append(f"{cut} were cut at max_new_tokens={cfg.sampling.max_new_tokens} (raise max_new_tokens, or "
+                   "keep_truncated=true)")
+    if empty:
+        why.append(f"{empty} were empty")
+    if cfg.keep != "all":
+        why.append(f"keep={cfg.keep} with threshold {cfg.threshold} kept none by reward '{cfg.reward}'")
+    total = metrics.get("teacher/samples", 0)
+    return UserError(f"no teacher sample was kept, nothing to train the student on: of {total} samples, "
+                     + "; ".join(why or ["none qualified"]))
 
 
 def teacher_data(cfg: DistillConfig, run: rs.RSRun, prompt_tokens: list[int], timer: PhaseTimer,
@@ -100,7 +119,7 @@ def train(cfg: DistillConfig) -> dict:
     write_plan(life.out, plan_run(cfg, len(rows), prompt_tokens))
     data, n_rows, row = teacher_data(cfg, run, prompt_tokens, timer, measured)
     if not n_rows:
-        raise UserError(f"no teacher sample was kept ({cfg.keep}, threshold {cfg.threshold}): nothing to train the student on")
+        raise nothing_kept(cfg, row)
     with timer("sft"):  # 4.
         sft_summary = sft_recipe.train(rs.sft_config(rs_cfg, cfg.model, data, life.out / "sft", n_rows))
     row.update({"sft/steps": sft_summary["steps"], "sft/first_loss": sft_summary["first_loss"],

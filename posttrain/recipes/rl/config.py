@@ -11,11 +11,13 @@ from pydantic import BeforeValidator, Field, model_validator
 from posttrain.agentic.settings import AgentSettings
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos import policy_losses, preference_losses
+from posttrain.algos.aggregate import MODES as AGG_MODES
 from posttrain.algos.kl import BETA_PRESETS, beta_value
 from posttrain.algos.presets import RL_PRESETS, rl_preset, uses_critic
-from posttrain.config import CommonConfig, Config
+from posttrain.config import CommonConfig, Config, unused_key
 from posttrain.eval.hook import EvalSettings
 from posttrain.models.lora import LoraSettings
+from posttrain.models.value import check_value_model
 from posttrain.monitor.alarms import AlarmSettings
 from posttrain.recipes.rl.options import check_rl_options
 from posttrain.rollout.engine import EngineConfig
@@ -56,6 +58,26 @@ class SystemsSettings(Config):
         return self.queue_groups or (self.max_staleness + 2) * prompts_per_step
 
 
+def _critic(cfg) -> bool:
+    return uses_critic(rl_preset(cfg.algo))
+
+
+def _kl_penalty(cfg) -> bool:
+    return cfg.algo != "online_dpo" and cfg.resolved_beta > 0
+
+
+_PPO = (_critic, "algo=ppo (a value model and GAE)")
+_ONLINE_DPO = (lambda cfg: cfg.algo == "online_dpo", "algo=online_dpo")
+# keys only some runs read -> (whether this run reads it, which runs do): set away from its default where it is not
+# read, a key is refused (posttrain.config.unused_key) instead of silently ignored
+RUN_SPECIFIC_KEYS = {
+    **dict.fromkeys(("value_model", "critic_lr", "critic_warmup", "vf_clip", "gamma", "lam", "whiten_advantages",
+                     "bootstrap_truncated"), _PPO),
+    **dict.fromkeys(("pref_loss", "pref_args", "ref_update_every"), _ONLINE_DPO),
+    **dict.fromkeys(("kl_target", "kl_horizon"), (_kl_penalty, "a run with a KL penalty (beta > 0, not online_dpo)")),
+}
+
+
 class RLConfig(CommonConfig):
     """posttrain rl: online RL (PPO with a value model, the GRPO family, online DPO) with verifiable or learned rewards."""
 
@@ -70,7 +92,7 @@ class RLConfig(CommonConfig):
     max_steps: int = Field(20, ge=0, description="optimizer steps")
     dtype: str = Field("float32", description="weights dtype (the engine samples in it)")
     prompts_per_step: int = Field(8, ge=1, description="prompts per step (B)")
-    group_size: int = Field(8, ge=2, description="samples per prompt (G)")
+    group_size: int = Field(8, ge=1, description="samples per prompt (G); 1 only without a group baseline (algo=ppo, reinforce_pp)")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(kv_cache_mb=512),
                                  description="built-in engine (max_num_seqs defaults to B × G)")
@@ -170,6 +192,29 @@ class RLConfig(CommonConfig):
             raise ValueError("lora with ref_update_every: the LoRA reference is the base model (adapter off) and does not move")
         if self.lora.enabled and self.systems.pipelined:
             raise ValueError("lora with async_rl / cluster=ray: the rollout worker's copy takes full weights; train without lora or synchronously")
+        return self
+
+    @model_validator(mode="after")
+    def _check_group_size(self):
+        """One sample per prompt is PPO's and REINFORCE++'s setting (a critic or the batch is the baseline); a
+        group baseline (GRPO, RLOO, ...) or online DPO's pairs need two or more."""
+        if self.group_size == 1 and not uses_critic(rl_preset(self.algo)) and (
+                self.algo == "online_dpo" or self.resolved_advantage != "reinforce_pp"):
+            what = "online DPO pairs two samples of each prompt" if self.algo == "online_dpo" else (
+                f"algo={self.algo}'s advantage '{self.resolved_advantage}' compares the samples of one prompt")
+            raise ValueError(f"group_size=1: {what}; give group_size >= 2, or use algo=ppo or algo=reinforce_pp "
+                             "for one sample per prompt")
+        return self
+
+    @model_validator(mode="after")
+    def _check_unused(self):
+        refused = unused_key(self, RUN_SPECIFIC_KEYS)
+        if refused:
+            raise ValueError(refused)
+        if self.loss_agg is not None and self.loss_agg not in AGG_MODES:  # else found only after the first generation
+            raise ValueError(f"loss_agg={self.loss_agg}: unknown aggregation (one of {', '.join(AGG_MODES)})")
+        if self.value_model:
+            check_value_model(self.value_model)
         return self
 
     @model_validator(mode="after")

@@ -372,13 +372,15 @@ def test_derived_configs_hold_every_shared_value():
     from posttrain.config import parse_args
     from posttrain.recipes.distill import DistillConfig, on_policy, sft_settings
 
-    cfg = parse_args(DistillConfig, ["teacher=t", "model=m", "data=d.jsonl", "max_steps=7", "seed=3", "dtype=bfloat16",
-                                     "batch_size=5", "logit_chunk=33", "optim.lr=0.5", "save_every=3", "progress=false",
-                                     "prompts_per_step=3", "group_size=5", "max_new_tokens=9", "reward_args={math: {}}",
-                                     "mask_truncated=true", "report_to=tensorboard"])
+    common = ["teacher=t", "model=m", "data=d.jsonl", "max_steps=7", "seed=3", "dtype=bfloat16", "logit_chunk=33",
+              "optim.lr=0.5", "save_every=3", "progress=false", "report_to=tensorboard"]
+    # (a key of another mode is refused, so each derivation reads the config of its own mode)
+    logit = parse_args(DistillConfig, [*common, "mode=logit", "batch_size=5", "max_length=99"])
+    onp = parse_args(DistillConfig, [*common, "prompts_per_step=3", "group_size=5", "max_new_tokens=9",
+                                     "reward_args={math: {}}", "mask_truncated=true"])
     # (`epochs` is rejection sampling's in distillation, over the kept rows: the SFT config does not take it)
-    for derived, own in ((sft_settings(cfg), {"eval_fraction", "forgetting_probe", "sample_every", "epochs"}),
-                         (on_policy.rl_settings(cfg), {"reward", "beta", "dynamic_sampling"})):
+    for derived, own, cfg in ((sft_settings(logit), {"eval_fraction", "forgetting_probe", "sample_every", "epochs"}, logit),
+                              (on_policy.rl_settings(onp), {"reward", "beta", "dynamic_sampling"}, onp)):
         shared = set(type(derived).model_fields) & set(DistillConfig.model_fields)
         assert shared - own, shared
         for k in shared - own:

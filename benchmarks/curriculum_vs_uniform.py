@@ -88,6 +88,11 @@ def split_pass1(doc: dict) -> dict:
     return out
 
 
+def mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def fmt(x, spec=".3f") -> str:
     return "–" if x is None else format(x, spec)
 
@@ -108,6 +113,9 @@ def print_tables(arms: dict, evals: dict, cmp: dict, budget: int, bins: int) -> 
         cells = " | ".join(f"{p[s]['value']:.3f} [{p[s]['low']:.3f}, {p[s]['high']:.3f}]" for s in ("all", "single-digit", "two-digit"))
         steps, tokens = (arms[k]["steps"], arms[k]["tokens"]) if k in arms else ("0", "0")
         print(f"| {k} | {steps} | {tokens} | {cells} |")
+    waste = {k: mean([r.get("groups/zero_adv_frac") for r in a["rows"]]) for k, a in arms.items()}
+    print(f"\ngroups without signal (all pass or all fail), mean over steps: uniform {fmt(waste['uniform'])}, "
+          f"band {fmt(waste['band'])}")
     bt, sf = cmp["bootstrap"], cmp["sign_flip"]
     print(f"\nband − uniform pass@1 {bt['diff']:+.4f}, paired bootstrap 95% [{bt['low']:+.4f}, {bt['high']:+.4f}], "
           f"p = {bt['p_value']:.4g}; sign-flip over problems p = {sf['p_value']:.4g}")

@@ -112,8 +112,12 @@ def describe_preset(algo: str) -> str:
         opts = _defaults(policy_losses.get(p.loss), {"behaviour_logp", "tis_cap"})
         lines.append(f"  policy loss      {p.loss} ({opts})  [loss=, loss_args=]")
         lines.append(f"  aggregation      {p.agg}  [loss_agg=]")
-    kl = "k1 in the token reward" if uses_critic(p) else ("k3 in the loss" if p.beta > 0 else "none (no reference model)")
-    lines.append(f"  beta             {p.beta:g}, KL {kl}  [beta=, kl_estimator=, kl_target=]")
+    if p.advantage is None:  # online DPO: β is the preference loss's own, the reference its initial policy
+        lines.append("  beta             the preference loss's own (dpo: 0.1)  [pref_args={beta: ...}]; reference = "
+                     "the initial policy  [ref_update_every=]")
+    else:
+        kl = "k1 in the token reward" if uses_critic(p) else ("k3 in the loss" if p.beta > 0 else "none (no reference model)")
+        lines.append(f"  beta             {p.beta:g}, KL {kl}  [beta=, kl_estimator=, kl_target=]")
     lines.append(f"  dynamic sampling {'on' if p.dynamic_sampling else 'off'}  [dynamic_sampling=]")
     shaping = "on: reward + overlong (Lmax = max_new_tokens, Lcache = Lmax / 5)" if p.overlong else "off"
     lines.append(f"  overlong shaping {shaping}  [overlong_shaping=]")

@@ -154,6 +154,16 @@ def _set_n(doc):
     doc["protocol"]["sampling"]["temperature"] = 0.5
 
 
+def _renumber(doc):
+    for it in doc["items"]:
+        it["id"] = f"other-{it['id']}"
+
+
+def _no_pass1(doc):  # a results file evaluated with k=2 only
+    for it in doc["items"]:
+        it.pop("pass@1")
+
+
 def _eq_folder(ws):
     def setup(tmp):
         shutil.copytree(ws.run("eval"), tmp / "lr=1e-4")
@@ -222,6 +232,9 @@ def cases(ws):
              check=lambda run: _results(run)["protocol"]["sampling"]["temperature"] == 0 or pytest.fail("temperature")),
         Case("eval-unknown-backend", [*EVAL, "backend=tgi"], ERROR, ("backend",)),
         Case("eval-bad-device", [*EVAL, "device=tpu"], ERROR, ("device",)),
+        Case("eval-n-not-a-number", [*EVAL, "n=many"], ERROR, ("n",)),
+        Case("eval-unknown-select", [*EVAL, "n=2", "select=best"], ERROR, ("select",)),
+        Case("eval-code-reward-without-tests", [*EVAL, "reward=code"], ERROR, ("prompts.jsonl:1", "tests")),
         Case("eval-output-dir-is-a-file", [*EVAL, "output_dir={tmp}/f"], ERROR, ("f",), setup=_file("f", "x")),
         # ---- eval compare
         Case("compare-self", ["eval", "compare", "{run:eval}/results.json", "{run:eval}", "output={tmp}/cmp.json"], WORKS,
@@ -245,6 +258,10 @@ def cases(ws):
         Case("compare-absent-metric", ["eval", "compare", "{run:eval}", "{run:eval}", "metric=pass@64"], ERROR, ("pass@64",)),
         Case("compare-output-over-an-input", ["eval", "compare", "{copy:eval}", "{run:eval}", "output={copy:eval}/results.json"],
              ERROR, ("results A file itself", "output="), keep=("{copy:eval}",)),
+        Case("compare-different-problems", ["eval", "compare", "{run:eval}", "{tmp}/r.json"], ERROR, ("different problems",),
+             setup=_results_copy(ws, _renumber)),
+        Case("compare-metric-not-in-both", ["eval", "compare", "{run:eval}", "{tmp}/r.json"], ERROR, ("pass@1", "both have"),
+             setup=_results_copy(ws, _no_pass1)),
         Case("compare-unknown-key", ["eval", "compare", "{run:eval}", "{run:eval}", "metrc=pass@1"], ERROR, ("metrc",)),
         # ---- eval contamination
         Case("contamination-self", [*CONTAM, "output={tmp}/c.json"], WORKS, check=_contaminated(1.0)),
@@ -259,6 +276,7 @@ def cases(ws):
              setup=_rows("t.jsonl", [{"prompt": "What is 1 + 1? Answer with the number, please, now."}]), keep=("{tmp}/t.jsonl",)),
         Case("contamination-no-train", ["eval", "contamination", "eval={prompts}"], ERROR, ("train=",)),
         Case("contamination-n-0", [*CONTAM, "n=0"], ERROR, ("n",)),
+        Case("contamination-unknown-mode", [*CONTAM, "mode=exact"], ERROR, ("mode",)),
         # ---- generate
         Case("generate-n1", GEN, WORKS, check=_generated(8)),
         Case("generate-temperature-0-n3", [*GEN, "temperature=0", "n=3"], WORKS, check=_generated(24, same=True)),

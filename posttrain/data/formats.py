@@ -83,8 +83,9 @@ def _lone_surrogate(value: Any, where: str = "") -> tuple[str, str] | None:
     return None
 
 
-def _check_text(data: Any, source: str, line: int | None, text: str) -> None:
-    if _SURROGATE_ESCAPE.search(text) and (hit := _lone_surrogate(data)):
+def _check_text(data: Any, source: str, line: int | None, escapes: bool) -> None:
+    """`escapes`: the row's JSON text has a surrogate escape (without one no string can hold a lone surrogate)."""
+    if escapes and (hit := _lone_surrogate(data)):
         raise DataError(source, line, hit[0] or None, f"a lone surrogate escape {hit[1]} (not valid Unicode; no tokenizer "
                         "can encode it): fix or drop the text (a surrogate pair such as \\ud83d\\ude00 is fine)")
 
@@ -104,7 +105,7 @@ def _read_jsonl(path: Path) -> list[Row]:
                 raise DataError(str(path), number, None, f"invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(data, dict):
                 raise DataError(str(path), number, None, f"each line must be a JSON object, got {type(data).__name__}")
-            _check_text(data, str(path), number, line)
+            _check_text(data, str(path), number, _SURROGATE_ESCAPE.search(line) is not None)
             rows.append(Row(data, str(path), number))
     return rows
 
@@ -126,11 +127,11 @@ def _read_json(path: Path) -> list[Row]:
     if not isinstance(data, list):
         raise DataError(str(path), None, None, f"a .json dataset must be a list of objects, got {type(data).__name__}"
                         + (" (JSON lines? name the file .jsonl)" if isinstance(data, dict) else ""))
+    escapes = _SURROGATE_ESCAPE.search(text) is not None  # else no string can hold a lone surrogate
     for i, r in enumerate(data):
         if not isinstance(r, dict):
             raise DataError(str(path), i + 1, None, f"each element must be a JSON object, got {type(r).__name__}")
-        if _SURROGATE_ESCAPE.search(text):
-            _check_text(r, str(path), i + 1, text)
+        _check_text(r, str(path), i + 1, escapes)
     return _read_table(data, str(path))
 
 

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, int]] = [
     ("posttrain", 0),  # posttrain/__init__.py: imports nothing from the project
     ("posttrain.errors", 0),
+    ("posttrain.outputs", 0),  # output paths checked before work, JSON without NaN, atomic files
     ("posttrain.ops", 1),
     ("posttrain.config", 2),
     ("posttrain.algos", 3),

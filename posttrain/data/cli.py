@@ -9,13 +9,11 @@ tasks (`prompt` + `completion`, `messages`, `answer`), so it is also a dataset f
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from pydantic import Field
 
 from posttrain.config import Config, parse_args
 from posttrain.errors import UserError
+from posttrain.outputs import atomic_open, check_output_file, to_json
 
 
 class DataExportConfig(Config):
@@ -29,14 +27,13 @@ class DataExportConfig(Config):
 def export(cfg: DataExportConfig) -> dict:
     from posttrain.data import formats
 
+    out = check_output_file(cfg.output)
     rows = formats.read_rows(cfg.data, cfg.seed)
     if not rows:
         raise UserError(f"data '{cfg.data}': no rows")
-    out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
+    with atomic_open(out) as f:
         for row in rows:
-            f.write(json.dumps(row.data, ensure_ascii=False) + "\n")
+            f.write(to_json(row.data, ensure_ascii=False) + "\n")
     sources: dict[str, int] = {}
     for row in rows:
         sources[row.source] = sources.get(row.source, 0) + 1

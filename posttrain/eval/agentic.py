@@ -12,7 +12,6 @@ An episode succeeds when the environment's reward is >= threshold.
 from __future__ import annotations
 
 import html
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -32,6 +31,7 @@ from posttrain.eval.report import metrics_table
 from posttrain.eval.results import print_metrics, summarize
 from posttrain.eval.runner import make_backend
 from posttrain.models.loading import load_tokenizer
+from posttrain.outputs import check_output_dir, write_json
 from posttrain.rollout import signals
 from posttrain.rollout.settings import SamplingSettings
 
@@ -83,6 +83,7 @@ def item_values(rewards: list[float | None], threshold: float, ks: list[int]) ->
 
 def run_agent_eval(cfg: AgentEvalConfig) -> dict:
     ks = cfg.ks
+    check_output_dir(cfg.output_dir)
     tok = load_tokenizer(cfg.model)
     rows = load_rows(cfg.data, cfg.max_items)
     agent = setup_agent(cfg, tok, rows)  # env, format, a reset per row: checked before the model loads
@@ -120,7 +121,7 @@ def run_agent_eval(cfg: AgentEvalConfig) -> dict:
            "confidence": cfg.confidence,
            "items": [_item(i, r, g, v, cfg.threshold) for i, (r, g, v) in enumerate(zip(rows, groups, values))],
            "episodes": [render_episode(e, tok) for e in episodes[: cfg.report_samples]]}
-    (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False, default=str))
+    write_json(out / "results.json", doc, ensure_ascii=False, default=str)
     write_report(out, doc)
     return doc
 

@@ -13,7 +13,6 @@ and samples) and output_dir/report.html.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from posttrain.eval.results import curve, item_record, item_values, print_metric
 from posttrain.eval.runner import extraction_settings, generate_and_score, make_backend, template_file
 from posttrain.eval.selection import EvalSelection, print_selection
 from posttrain.models.loading import load_tokenizer
+from posttrain.outputs import check_output_dir, write_json
 from posttrain.rewards.pool import default_pool
 
 FORMAT = "posttrain.eval/1"
@@ -71,6 +71,7 @@ def make_protocol(cfg: EvalConfig, items, spec: str, ex: dict | None, shots: lis
 
 def run_eval(cfg: EvalConfig) -> dict:
     """Evaluate; write results.json and report.html; return the results."""
+    check_output_dir(cfg.output_dir)  # a file, or a path under one, is refused before the model loads
     items, reward_fn, spec, ex, shots, tok = prepare(cfg)
     pool = default_pool(cfg.workers)
     selection = EvalSelection(cfg, items, reward_fn, ex, pool) if cfg.select else None  # refused before the model loads
@@ -97,7 +98,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             rec["selection"] = extra
     if (why := unscored(results)) is not None:  # a pass@1 of 0.000 with an interval would be a fake result
         doc["metrics"], doc["curve"], doc["unscored"] = {}, [], why
-    (out / "results.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+    write_json(out / "results.json", doc, ensure_ascii=False)
     write_eval_report(out, doc, cfg.report_samples)
     if why is not None:
         raise UserError(f"no sample was scored: {why}; the samples are in {out / 'results.json'}, no metric was computed")

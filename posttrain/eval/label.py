@@ -23,11 +23,9 @@ printed; pairs the judge could not label are listed there and make the exit stat
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
-from pathlib import Path
 
 from pydantic import Field
 
@@ -36,6 +34,7 @@ from posttrain.data.formats import completion_text, load, read_rows
 from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.judge.client import Judge, JudgeSettings, PairVerdict
+from posttrain.outputs import atomic_open, check_output_file, to_json, write_json
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
 
@@ -190,6 +189,8 @@ def label(cfg: LabelConfig) -> dict:
         raise UserError("data: give a prompts .jsonl (or preference rows to relabel)")
     if not cfg.judge.base_url:
         raise UserError("judge.base_url: give the judge's OpenAI-compatible endpoint, e.g. judge.base_url=http://127.0.0.1:8000/v1")
+    out = check_output_file(cfg.output)  # before any judge call: a folder or an unwritable path loses nothing
+    check_output_file(str(out) + ".summary.json")
     rows, _ = load(cfg.data, allowed=("prompt_only", "prompt_completion", "preference"))
     judge = Judge(cfg.judge)
     judge.connect()  # an unreachable judge is refused before any policy loads
@@ -199,15 +200,13 @@ def label(cfg: LabelConfig) -> dict:
     t0 = time.perf_counter()
     verdicts = judge.compare_many([(prompts[p[0]], p[2], p[4]) for p in pairs])
     seconds = time.perf_counter() - t0
-    out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     written = ties = 0
-    with out.open("w", encoding="utf-8") as f:
+    with atomic_open(out) as f:
         for pair, v in zip(pairs, verdicts):
             ties += v.winner == "tie"
             if v.winner is None or (v.winner == "tie" and cfg.ties == "drop"):
                 continue
-            f.write(json.dumps(pair_row(prompts[pair[0]], pair, v, side_models(cfg)), ensure_ascii=False) + "\n")
+            f.write(to_json(pair_row(prompts[pair[0]], pair, v, side_models(cfg)), ensure_ascii=False) + "\n")
             written += 1
     errors = [{"prompt_index": p[0], "a": p[1], "b": p[3], "error": v.error} for p, v in zip(pairs, verdicts) if v.winner is None]
     summary = {"output": str(out), "pairs_judged": len(pairs), "written": written, "decided": sum(v.winner in ("a", "b") for v in verdicts),
@@ -218,7 +217,7 @@ def label(cfg: LabelConfig) -> dict:
         summary["win_rate_a_vs_b"] = win_rates(pairs, verdicts)
     if relabel:  # the file's chosen response is the label: 'a' when it was shown as a
         summary["agreement_with_file_labels"] = agreement([v.winner for v in verdicts], ["a" if p[1] == "chosen" else "b" for p in pairs])
-    Path(str(out) + ".summary.json").write_text(json.dumps(summary, indent=2))
+    write_json(str(out) + ".summary.json", summary, indent=2)
     judge.close()
     return summary
 

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 
 import torch
 
+from posttrain.outputs import to_json
+
 
 def to_python(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
@@ -53,7 +55,7 @@ class MetricsWriter:
         if self.path is None:
             return row
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(to_json(row) + "\n")
         if self.sinks:
             values = scalar_values(metrics)
             for sink in list(self.sinks):

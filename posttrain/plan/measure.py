@@ -39,6 +39,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from posttrain.outputs import write_json
+
 
 def _status_bytes(field: str) -> int | None:
     """A `VmRSS`/`VmHWM` line of /proc/self/status in bytes (Linux), else None."""
@@ -174,7 +176,7 @@ def write_plan(run_dir: str | Path, prediction: dict) -> Path:
     """Write `run_dir/plan.json` with the prediction and `measured: null` (filled by `write_measured`)."""
     path = Path(run_dir) / "plan.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"predicted": prediction, "measured": None}, indent=2))
+    write_json(path, {"predicted": prediction, "measured": None}, indent=2)
     return path
 
 
@@ -190,7 +192,7 @@ def write_measured(run_dir: str | Path, measured: Measured | dict, flops_per_tok
     comparison, notes = compare(pred, m)
     data["notes"] = notes
     data["comparison"] = comparison
-    path.write_text(json.dumps(data, indent=2))
+    write_json(path, data, indent=2)
     return path
 
 

@@ -407,7 +407,7 @@ def setup(cfg: DPOConfig) -> DPORun:
                  info=info)
     state = life.restore(model, optimizer, scheduler)
     if state:
-        run.sampler.load(state["sampler"])
+        run.sampler.load(state["sampler"], cfg.data)
         run.alarms.load(state.get("alarms", {}))
         run.initial_eval = state.get("initial_eval", {})
     if run.ref is not None:

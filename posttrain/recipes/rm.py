@@ -183,7 +183,7 @@ def setup(cfg: RMConfig) -> RMRun:
                 measured=measured)
     state = life.restore(model, optimizer, scheduler)
     if state:
-        run.sampler.load(state["sampler"])
+        run.sampler.load(state["sampler"], cfg.data)
         run.initial_eval = state.get("initial_eval", {})
     else:
         run.initial_eval = evaluate(run)

@@ -27,6 +27,7 @@ from posttrain.data import formats
 from posttrain.data.formats import completion_text
 from posttrain.data.preference import Pair, load_pairs
 from posttrain.data.templates import render_prompt
+from posttrain.outputs import check_output_dir, write_json
 from posttrain.rewards import probe_stats as st
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
@@ -186,6 +187,7 @@ def probe(cfg: ProbeConfig) -> dict:
     from posttrain.monitor.report import write_report  # torch, matplotlib
     from posttrain.rewards.reward_model import RewardModelScorer
 
+    check_output_dir(cfg.output_dir)
     pairs = load_pairs(cfg.data)[: cfg.max_pairs]  # refused before any model loads
     scorer = RewardModelScorer(cfg.rm, device=cfg.device, batch_tokens=cfg.batch_tokens)
     scorer.load()
@@ -199,7 +201,7 @@ def probe(cfg: ProbeConfig) -> dict:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     images = plots(out, res)
-    (out / "probe.json").write_text(json.dumps(res, indent=1))
+    write_json(out / "probe.json", res)
     table = {"pairwise accuracy": res["calibration"]["accuracy"], "ECE": res["calibration"]["ece"],
              "Spearman(reward, length)": res["length_bias"]["spearman_reward_length"],
              **{f"adversarial {k}: mean Δ": v["mean_delta"] for k, v in res["adversarial"].items()},

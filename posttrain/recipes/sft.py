@@ -14,7 +14,6 @@ the same global batch); checkpoints are distributed (DCP) and resume at any worl
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from posttrain.models.forward import token_logprobs
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.models.lora import LoraSettings, memory_savers, trainable_fraction
 from posttrain.monitor.metrics import PhaseTimer
+from posttrain.outputs import to_json
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.rollout.backends import build_backend
 from posttrain.rollout.engine import EngineConfig
@@ -194,7 +194,7 @@ def write_samples(model, tok, convs: list[list[dict]], step: int, path: Path, ma
             enc = tok(ids, add_special_tokens=False, return_tensors="pt").to(next(model.parameters()).device)
             out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
             completion = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            f.write(json.dumps({"step": step, "prompt": ids, "completion": completion, "reference": conv[len(prompt)]["content"]}) + "\n")
+            f.write(to_json({"step": step, "prompt": ids, "completion": completion, "reference": conv[len(prompt)]["content"]}) + "\n")
     model.train()
 
 

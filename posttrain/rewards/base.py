@@ -54,15 +54,29 @@ class RewardError(UserError):
     def __init__(self, reward: str, errors: list[tuple[int | None, str]], values: list | None = None,
                  samples: list | None = None):
         self.reward, self.errors, self.values = reward, errors, values
-        lines = []
-        for i, msg in errors[:5]:
-            where = f"sample {i}" if i is not None else "batch"
-            shown = ""
-            if samples is not None and i is not None and i < len(samples):
-                shown = f" (completion: {completion_text(samples[i])[:120]!r})"
-            lines.append(f"reward '{reward}' failed on {where}{shown}: {msg.strip().splitlines()[0] if msg.strip() else msg}")
-        more = f"\n... and {len(errors) - 5} more" if len(errors) > 5 else ""
-        super().__init__("\n".join(lines) + more)
+        super().__init__(_one_line(reward, errors, samples))
+
+
+def _one_line(reward: str, errors: list[tuple[int | None, str]], samples: list | None) -> str:
+    """One line (the CLI's `error:` line): the first failure with its completion, then where else it failed."""
+    def first_line(msg: str) -> str:
+        return msg.strip().splitlines()[0] if msg.strip() else msg
+
+    def where(i: int | None) -> str:
+        return f"sample {i}" if i is not None else "batch"
+
+    i, msg = errors[0] if errors else (None, "failed")
+    shown = ""
+    if samples is not None and i is not None and i < len(samples):
+        shown = f" (completion: {completion_text(samples[i])[:120]!r})"
+    text = f"reward '{reward}' failed on {where(i)}{shown}: {first_line(msg)}"
+    rest = errors[1:]
+    if rest and all(first_line(m) == first_line(msg) for _, m in rest):
+        text += f"; the same on {', '.join(where(j) for j, _ in rest[:8])}" + (f" and {len(rest) - 8} more" if len(rest) > 8 else "")
+    elif rest:
+        text += "; also " + "; ".join(f"{where(j)}: {first_line(m)}" for j, m in rest[:4])
+        text += f"; and {len(rest) - 4} more" if len(rest) > 4 else ""
+    return text
 
 
 def register(name: str, *, columns: tuple[str, ...] = (), description: str | None = None,

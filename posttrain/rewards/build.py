@@ -15,7 +15,17 @@ def build_reward(spec: str, options: dict, rows: list[Row], max_new_tokens: int)
     if any(name == "overlong" for name, _ in parse_spec(spec)) and "overlong" not in options:
         options["overlong"] = overlong_defaults(max_new_tokens)
     reward_fn = compose(spec, options=options)
-    missing = {c for cols in reward_fn.columns.values() for c in cols if isinstance(c, str) and c not in rows[0].data}
-    if missing:
-        raise rows[0].error(sorted(missing)[0], f"reward '{spec}' needs this column")
+    check_columns(rows, reward_fn.columns)
     return reward_fn
+
+
+def check_columns(rows: list[Row], columns: dict[str, tuple]) -> None:
+    """Every row has a value (not null) for each column a reward reads (`columns`: reward -> columns, a tuple
+    entry = any one of its alternatives): the first row without one is refused with its file, row and field,
+    as `posttrain eval` does (a row whose reward can never apply would only skip its steps)."""
+    for row in rows:
+        for reward, cols in columns.items():
+            for col in cols:
+                alts = col if isinstance(col, tuple) else (col,)
+                if not any(row.data.get(a) is not None for a in alts):
+                    raise row.error(" or ".join(alts), f"missing or null (reward '{reward}' needs it)")

@@ -34,6 +34,7 @@ import inspect
 import math
 import re
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -260,16 +261,64 @@ class _FileReward:
             raise UserError(f"reward '{name}': no parameter named {', '.join(unknown)} "
                             f"(it takes {', '.join(sorted(accepts))})")
         self.fn, self.options, self.accepts, self.__name__ = fn, dict(options), accepts, name
+        self.timeout = file_reward_timeout(fn, name)  # a bad `timeout` attribute is refused when the file loads
 
     def __call__(self, prompts, completions, **columns):
         kwargs = {"prompts": prompts, "completions": completions, **columns, **self.options}
         if self.accepts is not None:  # no **kwargs: pass only what it names (TRL would fail instead)
             kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
-        return self.fn(**kwargs)
+        return watched_call(self.fn, kwargs, self.__name__, self.timeout)
 
     @property
     def last_metrics(self):  # a function's own counters reach the metrics like a built-in's
         return getattr(self.fn, "last_metrics", None)
+
+
+class RewardStop(RewardError):
+    """A reward that cannot go on (overran its time limit, tried to end the process): the run stops, whatever
+    `on_error` says (recording it per batch would wait out the limit again on every batch)."""
+
+
+FILE_REWARD_TIMEOUT_S = 60.0  # a user function's call that has not returned by then stops the run (docs/rewards.md)
+
+
+def file_reward_timeout(fn: Callable, name: str) -> float | None:
+    """Seconds one call of a file reward may take: its `timeout` attribute (`fn.timeout = 5`; 0 or None = no
+    limit), else FILE_REWARD_TIMEOUT_S."""
+    value = getattr(fn, "timeout", FILE_REWARD_TIMEOUT_S)
+    if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+        raise UserError(f"reward '{name}': `timeout` must be a number of seconds >= 0 (0 = no limit), got {value!r}")
+    return float(value) if value else None
+
+
+def watched_call(fn: Callable, kwargs: dict, name: str, timeout: float | None):
+    """`fn(**kwargs)` in a watchdog thread: a call that overruns `timeout` s, or ends the process
+    (`sys.exit`, `exit()`), becomes a RewardError naming the reward; any other exception propagates as is
+    (call_reward reports it per sample). A call that overran keeps running in its daemon thread, which the
+    process does not wait for at exit (Python cannot kill a thread)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(**kwargs)
+        except BaseException as e:  # handed to the caller's thread below, SystemExit included
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"reward {name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise RewardStop(name, [(None, f"did not return within {timeout:g} s (a file reward's time limit: set "
+                                        f"`{getattr(fn, '__name__', 'fn')}.timeout = SECONDS` in its file, 0 = none)")])
+    error = box.get("error")
+    if isinstance(error, SystemExit):
+        where = getattr(fn, "__code__", None)
+        file = f" ({where.co_filename})" if where is not None else ""
+        raise RewardStop(name, [(None, f"called sys.exit({error.code!r}){file}: a reward must return a list of "
+                                        "values (None where it does not apply), or raise an exception")])
+    if error is not None:
+        raise error.with_traceback(error.__traceback__)
+    return box["value"]
 
 
 def _check_values(name: str, values: Any, n: int) -> tuple[list, list[tuple[int | None, str]]]:
@@ -300,6 +349,8 @@ def call_reward(name: str, fn: RewardFn, prompts: list, completions: list, colum
     n = len(completions)
     try:
         values = fn(prompts, completions, **columns)
+    except RewardStop:
+        raise
     except RewardError as e:  # built-in rewards report per-sample errors themselves
         vals = e.values if e.values is not None else [None] * n
         out, errs = _check_values(name, vals, n)

@@ -15,7 +15,6 @@ classes, votes}; `generated_tokens` counts all N samples (the cost of the select
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_ar
 from posttrain.data import formats
 from posttrain.data.templates import check_template, has_template, render_prompt
 from posttrain.errors import UserError
+from posttrain.outputs import atomic_open, check_output_file, to_json
 from posttrain.rollout.select import HELP as SELECT_HELP
 from posttrain.rollout.select import check_select
 from posttrain.rollout.types import Request, SamplingParams
@@ -99,14 +99,14 @@ def make_backend(cfg: GenerateConfig, tok):
 def write_samples(path: str, outs, rows: list[dict]) -> int:
     """One line per sample (or per failed prompt); returns the tokens generated."""
     n_tok = 0
-    with open(path, "w") as f:
+    with atomic_open(path) as f:
         for o in outs:
             if o.error:
-                f.write(json.dumps({"prompt_index": o.request_id, "error": o.error}) + "\n")
+                f.write(to_json({"prompt_index": o.request_id, "error": o.error}) + "\n")
                 continue
             for s in o.samples:
                 n_tok += len(s.token_ids)
-                f.write(json.dumps(sample_line(rows[o.request_id], o.request_id, s)) + "\n")
+                f.write(to_json(sample_line(rows[o.request_id], o.request_id, s)) + "\n")
     return n_tok
 
 
@@ -123,16 +123,16 @@ def write_selected(path: str, outs, rows: list[dict], selector) -> tuple[int, in
               for o in ok]
     choices = dict(zip([o.request_id for o in ok], selector.choose(groups)))
     n_tok = 0
-    with open(path, "w") as f:
+    with atomic_open(path) as f:
         for o in outs:
             if o.error:
-                f.write(json.dumps({"prompt_index": o.request_id, "error": o.error}) + "\n")
+                f.write(to_json({"prompt_index": o.request_id, "error": o.error}) + "\n")
                 continue
             spent = sum(len(s.token_ids) for s in o.samples)
             n_tok += spent
             ch = choices[o.request_id]
             line = sample_line(rows[o.request_id], o.request_id, o.samples[ch.index])
-            f.write(json.dumps({**line, "selection": ch.record(selector.method), "generated_tokens": spent}) + "\n")
+            f.write(to_json({**line, "selection": ch.record(selector.method), "generated_tokens": spent}) + "\n")
     return n_tok, len(ok)
 
 
@@ -140,6 +140,7 @@ def main(argv: list[str]) -> None:
     cfg = parse_args(GenerateConfig, argv, prog="posttrain generate")
     if not cfg.data:
         raise UserError("data: give a prompts .jsonl file (data=prompts.jsonl)")
+    check_output_file(cfg.output)  # a folder or an unwritable path is refused before anything is generated
     check_select(cfg.select, cfg.n, cfg.reward)
     from posttrain.models.loading import load_tokenizer  # not for --help
 

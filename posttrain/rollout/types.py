@@ -149,6 +149,7 @@ def check_request(request: Request, max_model_len: int, vocab_size: int | None =
         if len(ids) > max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len}")
     elif len(ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len} (prompt + at least 1 new token)")
+        raise ValueError(f"prompt has {len(ids)} tokens; the context holds {max_model_len} (prompt + at least 1 new token): "
+                         "shorten the prompt or raise max_model_len")
     if request.params.stop_strings and not has_tokenizer:
         raise ValueError("stop_strings need a tokenizer")

@@ -166,6 +166,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, extras: dict | None
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     for name, (module, opt) in (extras or {}).items():
+        if not (path / f"{name}.safetensors").is_file():
+            raise UserError(f"{path} holds no {name} model (the run that wrote it had none, e.g. another algo): resume "
+                            "with the run's own config, or start a new run in another output_dir")
         _load_weights(path / f"{name}.safetensors", module)
         if opt is not None:
             opt.load_state_dict(torch.load(path / f"{name}_optimizer.pt", weights_only=False))
@@ -190,7 +193,9 @@ def _load_weights(file: Path, model) -> None:
     params = dict(model.named_parameters())
     missing = [n for n in weights if n not in params]
     if missing:
-        raise RuntimeError(f"{path}: checkpoint has parameters the model lacks: {missing[:3]}")
+        raise UserError(f"{path}: the checkpoint has parameters the model lacks: {missing[:3]} (it was written for "
+                        "another model or LoRA setting): resume with the run's own config")
+    _check_shapes(path, weights, params)
     with torch.no_grad():
         for n, t in weights.items():
             params[n].copy_(t)
@@ -206,6 +211,15 @@ def _load_folder_weights(path: Path, model) -> None:
                         "nor model.safetensors holds them)")
     with torch.no_grad():
         for file in sorted(path.glob("model*.safetensors")):
-            for n, t in load_file(file).items():
-                if n in params:
-                    params[n].copy_(t)
+            weights = {n: t for n, t in load_file(file).items() if n in params}
+            _check_shapes(path, weights, params)
+            for n, t in weights.items():
+                params[n].copy_(t)
+
+
+def _check_shapes(path: Path, weights: dict, params: dict) -> None:
+    """A checkpoint of another model (same names, other sizes) is refused, naming the first tensor."""
+    for n, t in weights.items():
+        if tuple(t.shape) != tuple(params[n].shape):
+            raise UserError(f"{path}: tensor {n} is {tuple(t.shape)} in the checkpoint but {tuple(params[n].shape)} in the "
+                            "model (the checkpoint was written for another model): resume with the run's own model")

@@ -34,8 +34,14 @@ class EpochSampler:
         return out
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return {"epoch": self.epoch, "index": self.index, "n": self.n}
 
-    def load(self, state: dict) -> None:
+    def load(self, state: dict, data: str = "the data") -> None:
+        """Continue at a checkpoint's position; refused when the data has another number of items than the
+        run that wrote it (its permutation would index rows that are gone, or skip new ones)."""
+        saved = state.get("n")
+        if saved is not None and saved != self.n:
+            raise UserError(f"resume: {data} has {self.n} training items, the checkpoint's run had {saved}: resume "
+                            "with the data it was trained on, or start a new run in another output_dir")
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._make_order()

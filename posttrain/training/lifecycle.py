@@ -24,19 +24,29 @@ from posttrain.models.forward import unwrap
 from posttrain.monitor.metrics import MetricsWriter
 from posttrain.monitor.report import write_report
 from posttrain.monitor.sinks import open_sinks
+from posttrain.outputs import check_output_dir, write_json
 from posttrain.systems.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from posttrain.systems.dist import DistInfo, barrier
 from posttrain.systems.fsdp import save_full
+from posttrain.training import resume
 from posttrain.training.run import setup_run
 
 
 class RunLifecycle:
-    def __init__(self, cfg, dist_info=None):
+    def __init__(self, cfg, dist_info=None, checkpoints: bool = True):
         self.cfg = cfg
         self.info = dist_info or DistInfo()
-        existing = list_checkpoints(Path(cfg.output_dir)) if cfg.resume else []
+        out = check_output_dir(cfg.output_dir)
+        existing = list_checkpoints(out) if cfg.resume else []
         self.resume_from = existing[-1] if existing else None
+        # the resume contract (training/resume.py): refused here, before config.yaml or anything else is written
+        notes = resume.check(cfg, self.resume_from, out) if self.resume_from is not None else []
+        if cfg.resume and self.resume_from is None and checkpoints:
+            notes = [f"resume: no checkpoint in {out / 'checkpoints'} yet: starting from step 0"]
+        self.record = {"data_sha256": resume.data_digest(getattr(cfg, "data", ""))}  # kept in every checkpoint
         self.out = setup_run(cfg, resume=cfg.resume, write=self.info.main)
+        for note in notes if self.info.main else []:
+            print(note, flush=True)
         barrier(self.info)
         self.start = 0
         self.restored: dict = {}  # the state of the checkpoint `restore` loaded ({} on a fresh run)
@@ -59,6 +69,7 @@ class RunLifecycle:
         (module, optimizer)); returns its state."""
         if self.resume_from is None:
             return {}
+        resume.check_steps(self.cfg, resume.checkpoint_step(self.resume_from), self.resume_from)  # epochs= resolved now
         state = load_checkpoint(self.resume_from, model, optimizer, scheduler, extras)
         self.start, self.restored = state["step"], state
         return state
@@ -96,6 +107,7 @@ class RunLifecycle:
         `tok`, checkpoints/step-N/ is also a model folder (`from_pretrained`; a PEFT adapter under LoRA)."""
         every = self.cfg.save_every
         if force or (every and done % every == 0 and done != self.cfg.max_steps):
+            state = {**state, "run": {"config": self.cfg.model_dump(mode="json"), **self.record}}  # what resume compares
             save_checkpoint(self.out, done, model, optimizer, scheduler, state, keep=self.cfg.keep_checkpoints,
                             extras=extras, dist_info=self.info if self.sharded else None, tok=tok)
 
@@ -124,7 +136,7 @@ class RunLifecycle:
     def finish(self, summary: dict, title: str, sections: dict) -> None:
         if not self.main:
             return
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        write_json(self.out / "summary.json", summary, default=str)
         write_report(self.out, title, {**sections, "config": self.cfg.model_dump(mode="json")})
         if self.writer is not None:
             self.writer.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,6 +51,8 @@ from posttrain.recipes.distill.teacher import (
 from posttrain.recipes.rl import phases as ph
 from posttrain.rewards.base import register
 from posttrain.rollout.trajectory import make_batches
+from posttrain.systems.checkpoint import list_checkpoints
+from posttrain.training import resume
 from posttrain.training.loop import CheckpointArgs, run_loop
 from posttrain.training.optim import optimizer_step
 from posttrain.training.plan import plan_dtype
@@ -83,6 +86,10 @@ def setup(cfg: DistillConfig) -> OnPolicyRun:
     from posttrain.models.loading import load_model  # looked up at call time: tests replace posttrain.models.loading.load_model
 
     load_checked_tokenizers(cfg)  # refuses a tokenizer mismatch before any model loads
+    out = Path(cfg.output_dir)
+    if cfg.resume and list_checkpoints(out):  # distill's own keys (teacher, divergence...): the resume contract
+        for note in resume.check_record(cfg, resume.config_record(out), out, "its distill config"):
+            print(note, flush=True)
     run = rl.setup(rl_settings(cfg))
     save_yaml(cfg, run.life.out / "config.yaml")  # the distill config, not the RL one it built
     teacher = load_model(cfg.teacher, dtype=cfg.teacher_dtype, seed=cfg.seed, device=run.device)

@@ -23,6 +23,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.models.loading import load_tokenizer, resolve
+from posttrain.outputs import write_json
 from posttrain.plan.measure import Measured, write_measured
 from posttrain.plan.predict import resolve_model
 
@@ -186,5 +187,5 @@ def write_distill_measured(out: Path, measured: Measured, extra: dict) -> dict:
         comparison["teacher_tokens_over_predicted"] = extra["scored_tokens"] / (pred["scored_tokens_per_step"] * measured.steps)
     if plan["predicted"].get("data_plan"):
         comparison["tokens_over_data_plan"] = measured.tokens / max(plan["predicted"]["data_plan"]["tokens"], 1)
-    path.write_text(json.dumps(plan, indent=2))
+    write_json(path, plan, indent=2)
     return plan

@@ -15,12 +15,12 @@ turns × (generated + returned) prediction against the measured tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from posttrain.agentic.episodes import AgentRun, episode_metrics, render_episode
 from posttrain.agentic.formats import encode
 from posttrain.agentic.rollout import Episode, RolloutStats, new_episodes, run_episodes
+from posttrain.outputs import to_json, write_json
 from posttrain.recipes.rl.rollout import GroupRollout
 
 
@@ -74,7 +74,7 @@ def _add_stats(total: RolloutStats, s: RolloutStats) -> None:
 def write_episodes(path, step: int, episodes: list[Episode], tok) -> None:
     with open(path, "a") as f:
         for ep in episodes:
-            f.write(json.dumps({"step": step + 1, **render_episode(ep, tok)}, ensure_ascii=False) + "\n")
+            f.write(to_json({"step": step + 1, **render_episode(ep, tok)}, ensure_ascii=False) + "\n")
 
 
 def plan_inputs(cfg, agent: AgentRun) -> dict:
@@ -105,4 +105,4 @@ def update_plan_check(out: Path, agent: AgentRun, episodes: list[Episode], step:
                                            "returned_per_observation": r, "context_tokens_mean": t["context"] / n},
            "planner_at_measured_means": predicted,
            "context_over_predicted": (t["context"] / n) / predicted["context_tokens"]}
-    (out / "agent_plan.json").write_text(json.dumps(doc, indent=2))
+    write_json(out / "agent_plan.json", doc, indent=2)

@@ -4,12 +4,12 @@ the phases' metrics and timers), the held-out evaluation when due, the health al
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import torch
 
+from posttrain.outputs import to_json
 from posttrain.recipes.rl.run import RLRun
 from posttrain.rollout.trajectory import Trajectory
 
@@ -44,7 +44,7 @@ def log_step(run: RLRun, step: int, trajs: list[Trajectory], t0: float, metrics:
     if run.life.main:  # a sharded run's other ranks hold the same samples
         with (run.life.out / "samples.jsonl").open("a") as f:
             for t in trajs[: cfg.samples_per_log]:
-                f.write(json.dumps({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
+                f.write(to_json({"step": step + 1, "prompt": run.tok.decode(t.prompt_ids), "completion": t.text,
                                     "reward": t.reward, "finish_reason": t.finish_reason}) + "\n")
     run.alarms.act(fired)  # on_alarm=stop | checkpoint_and_stop raises AlarmStop
     return logged

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -109,6 +109,10 @@ def chat_template_args_field() -> Any:
                                                     "e.g. {enable_thinking: false} (Qwen3 without thinking)")
 
 
+RESUME_HELP = ("continue from the newest checkpoint in output_dir/checkpoints (none yet: start at step 0); a key that "
+               "changes the run (lr, seed, data, ...) is refused with the list of differences unless resume=force")
+
+
 class CommonConfig(Config):
     """Keys every recipe shares."""
 
@@ -117,7 +121,7 @@ class CommonConfig(Config):
     output_dir: str = Field("runs/run", description="run directory (config.yaml, metrics.jsonl, checkpoints/, final/, report.html)")
     max_steps: int = Field(100, ge=0, description="optimizer steps to run")
     seed: int = Field(0, description="seed for data order, initialisation and sampling")
-    resume: bool = Field(False, description="continue from the newest checkpoint in output_dir/checkpoints")
+    resume: bool | Literal["force"] = Field(False, description=RESUME_HELP)
     mixed_precision: str = Field("none", pattern="^(none|bf16)$",
                                  description="bf16: fp32 weights/grads/optimizer, backbone matmuls in bf16 via torch.autocast (lm_head stays fp32) | none")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
@@ -347,7 +351,10 @@ def load_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigError(f"{path}: invalid YAML{where}: {what}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of keys to values")
     return data

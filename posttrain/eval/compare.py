@@ -31,6 +31,7 @@ from posttrain.data.formats import check_not_input
 from posttrain.errors import UserError
 from posttrain.eval import protocol as P
 from posttrain.eval import stats
+from posttrain.outputs import check_output_file, write_json
 
 
 class CompareConfig(Config):
@@ -194,6 +195,8 @@ def main(argv: list[str]) -> int:
     files = {side: Path(p) / "results.json" if Path(p).is_dir() else Path(p) for side, p in zip("AB", paths)}
     check_not_input(cfg.output, {f"results {k}": v for k, v in files.items()})
     check_not_input(cfg.report, {f"results {k}": v for k, v in files.items()}, "report")
+    if cfg.output:
+        check_output_file(cfg.output)
     result = compare(load_results(paths[0]), load_results(paths[1]), cfg.metric, cfg.allow_protocol_diff,
                      cfg.confidence, cfg.bootstrap, cfg.seed, curve=cfg.curve)
     print_comparison(result)
@@ -204,5 +207,5 @@ def main(argv: list[str]) -> int:
 
         print(f"report: {write_curve_html(cfg.report, result)}")
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps(result, indent=1))
+        write_json(cfg.output, result)
     return 0

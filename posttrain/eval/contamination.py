@@ -16,15 +16,14 @@ A field shorter than `min_words` (8, GPT-3's smallest N) is too short to tell an
 from __future__ import annotations
 
 import hashlib
-import json
 import re
-from pathlib import Path
 
 from pydantic import Field, field_validator
 
 from posttrain.config import Config, parse_args
 from posttrain.data.formats import check_not_input, read_rows
 from posttrain.errors import UserError
+from posttrain.outputs import check_output_file, write_json
 
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
 
@@ -149,6 +148,8 @@ def main(argv: list[str]) -> int:
         return 0
     if not cfg.train or not cfg.eval:
         raise UserError("usage: posttrain eval contamination train=TRAIN eval=EVAL [n=13] [output=contamination.json]")
+    if cfg.output:
+        check_output_file(cfg.output)
     check_not_input(cfg.output, {"train=": cfg.train, "eval=": cfg.eval})
     train = [r.data for r in read_rows(cfg.train)]
     evals = [r.data for r in read_rows(cfg.eval)]
@@ -161,5 +162,5 @@ def main(argv: list[str]) -> int:
     for it in [x for x in rep["items"] if x["contaminated"]][:10]:
         print(f"  item {it['id']}: {it['found']} of {it['grams']} n-grams found")
     if cfg.output:
-        Path(cfg.output).write_text(json.dumps({"train": cfg.train, "eval": cfg.eval, **rep}, indent=1))
+        write_json(cfg.output, {"train": cfg.train, "eval": cfg.eval, **rep})
     return 0

@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -45,6 +46,7 @@ from posttrain.errors import UserError
 from posttrain.models.device import resolve_device
 from posttrain.models.loading import load_tokenizer
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.outputs import to_json, write_json
 from posttrain.plan.cost import bon_kl
 from posttrain.recipes import sft as sft_recipe
 from posttrain.recipes.sft import SFTConfig
@@ -52,6 +54,7 @@ from posttrain.rollout.backends import build_backend
 from posttrain.rollout.engine import EngineConfig
 from posttrain.rollout.settings import SamplingSettings
 from posttrain.rollout.types import Request
+from posttrain.training import resume
 from posttrain.training.lifecycle import RunLifecycle
 from posttrain.training.run import progress
 
@@ -77,7 +80,8 @@ class RSConfig(Config):
     data: str = Field("arithmetic", description="prompt-only dataset (`prompt` + the columns the reward needs, e.g. `answer`)")
     output_dir: str = Field("runs/rs", description="run directory (round-R/kept.jsonl, round-R/sft/, metrics.jsonl, report.html)")
     seed: int = Field(0, description="seed for sampling, initialisation and data order")
-    resume: bool = Field(False, description="continue after the last finished round (a round's SFT resumes from its checkpoints)")
+    resume: bool | Literal["force"] = Field(False, description="continue after the last finished round (a round's SFT resumes from its "
+                                           "checkpoints); changed keys are refused unless resume=force (as in every recipe)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda | cuda:N")
     dtype: str = Field("float32", description="weights dtype while sampling")
     backend: str = backend_field()
@@ -227,7 +231,7 @@ def write_kept(path: Path, rows: list[formats.Row], kept: list[list[Sample]], ro
             out = sft_row(row.data["prompt"], s.text, s.reward, round_)
             if plain and "messages" in out:
                 out = {"prompt": row.data["prompt"], "completion": [out["messages"][-1]], "reward": s.reward, "round": round_}
-            lines.append(json.dumps(out))
+            lines.append(to_json(out))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(line + "\n" for line in lines))
     return len(lines)
@@ -290,7 +294,7 @@ def run_round(run: RSRun, r: int, model_path: str) -> tuple[dict, str]:
     elif cfg.sft:
         print(f"round {r}: no sample was kept (threshold {cfg.threshold}); the model is unchanged")
     row.update(timer.pop())
-    (out / "round.json").write_text(json.dumps({"row": row, "model": next_model}, default=str))
+    write_json(out / "round.json", {"row": row, "model": next_model}, indent=None, default=str)
     return row, next_model
 
 
@@ -302,7 +306,7 @@ def log_samples(run: RSRun, r: int, kept: list[list[Sample]]) -> None:
     with (run.life.out / "samples.jsonl").open("a") as f:
         shown = [(row, s) for row, ks in zip(run.rows, kept) for s in ks][: run.cfg.samples_per_round]
         for row, s in shown:
-            f.write(json.dumps({"step": r, "prompt": str(row.data["prompt"]), "completion": s.text, "reward": s.reward}) + "\n")
+            f.write(to_json({"step": r, "prompt": str(row.data["prompt"]), "completion": s.text, "reward": s.reward}) + "\n")
 
 
 # ---------------------------------------------------------------- run
@@ -319,7 +323,10 @@ def setup(cfg: RSConfig) -> RSRun:
     reward_fn = build_reward(cfg.reward, cfg.reward_args, rows, cfg.sampling.max_new_tokens)  # columns checked against the data
     tok = load_tokenizer(cfg.model, cfg.chat_template, cfg.chat_template_args)
     check_template(tok, rows)
-    life = RunLifecycle(cfg)
+    if cfg.resume and any(out.glob("round-*/round.json")):  # the resume contract (training/resume.py)
+        for note in resume.check_record(cfg, resume.config_record(out), out, "its finished rounds"):
+            print(note, flush=True)
+    life = RunLifecycle(cfg, checkpoints=False)  # the rounds' SFT runs keep the checkpoints
     done = len(finished_rounds(life.out, cfg.rounds)) if cfg.resume else None
     run = RSRun(cfg, life, tok, rows, reward_fn, life.metrics_from(done))
     if not done:

@@ -9,11 +9,9 @@ reward, None and error counts, time) is printed; the exit status is 1 when any r
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
@@ -21,6 +19,7 @@ from pydantic import Field
 from posttrain.config import Config, parse_args
 from posttrain.data.formats import check_not_input, read_rows
 from posttrain.errors import DataError, UserError
+from posttrain.outputs import atomic_open, check_output_file, to_json
 from posttrain.rewards.pool import default_pool
 
 
@@ -80,6 +79,7 @@ def main(argv: list[str]) -> None:
     for key in ("data", "reward", "output"):
         if not getattr(cfg, key):
             raise UserError(f"missing key '{key}': posttrain score data=FILE.jsonl reward=NAME output=OUT.jsonl")
+    check_output_file(cfg.output)  # a folder or an unwritable path is refused before any reward runs
     check_not_input(cfg.output, {"data=": cfg.data})
     composed = registry.compose(cfg.reward, on_error="record", options=cfg.reward_args)
     rows = _read_rows(cfg.data)
@@ -88,9 +88,7 @@ def main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     per_reward: dict[str, list] = {n: [] for n, _ in composed.parts}
     errors: list[dict] = []
-    out_path = Path(cfg.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("w", encoding="utf-8") as out:
+    with atomic_open(cfg.output) as out:
         for start in range(0, len(rows), cfg.batch_size):
             batch = rows[start:start + cfg.batch_size]
             col_names = {k for r in batch for k in r} - {"prompt", "completion", "__line__"}
@@ -111,7 +109,7 @@ def main(argv: list[str]) -> None:
                 rec = dict(row, reward=totals[j], rewards=vals)
                 if j in row_errors:
                     rec["reward_errors"] = row_errors[j]
-                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                out.write(to_json(rec, ensure_ascii=False) + "\n")
                 row["__line__"] = line
     dt = time.perf_counter() - t0
     print(f"scored {len(rows)} rows from {cfg.data} in {dt:.2f}s ({len(rows) / max(dt, 1e-9):.1f} rows/s) -> {cfg.output}")

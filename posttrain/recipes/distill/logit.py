@@ -128,7 +128,7 @@ def setup(cfg: DistillConfig) -> LogitRun:
                    optimizer, scheduler, EpochSampler(len(units), cfg.seed), device, measured=measured)
     state = life.restore(model, optimizer, scheduler)
     if state:
-        run.sampler.load(state["sampler"])
+        run.sampler.load(state["sampler"], cfg.data)
         cache.read_tokens = state.get("read_tokens", 0)  # the logged counters count the whole run, not a session
     run.teacher_tokens = state.get("teacher_tokens", 0) + info["teacher_tokens"]
     write_plan(life.out, plan_run(run))

@@ -29,6 +29,7 @@ from posttrain.data.templates import render_prompt
 from posttrain.errors import UserError
 from posttrain.models.loading import load_tokenizer
 from posttrain.monitor.metrics import MetricsWriter, PhaseTimer
+from posttrain.outputs import write_json
 from posttrain.plan import predict
 from posttrain.plan.measure import Measured, write_plan
 from posttrain.recipes import rs
@@ -102,7 +103,7 @@ def teacher_data(cfg: DistillConfig, run: rs.RSRun, prompt_tokens: list[int], ti
         kept, select_metrics = rs.select(groups, run.cfg)
     n_rows = rs.write_kept(path, run.rows, kept, 1)  # 3.
     metrics = {**metrics, **select_metrics}
-    saved.write_text(json.dumps(metrics))
+    write_json(saved, metrics, indent=None)
     return path, n_rows, metrics
 
 

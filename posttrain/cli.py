@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        print(f"error: unknown command '{name}'{hint}\n\n{usage()}", file=sys.stderr)
+        print(f"{usage()}\n\nerror: unknown command '{name}'{hint}", file=sys.stderr)  # the error line last
         return 2
     debug = "--debug" in rest or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     rest = [a for a in rest if a != "--debug"]

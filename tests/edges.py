@@ -172,6 +172,7 @@ class Workspace:
         "rl": ["rl", "model=tiny-random", "data={prompts}", "reward=math", "max_steps=2", "prompts_per_step=2",
                "group_size=2", "max_new_tokens=4", "save_every=1"],
         "eval": ["eval", "model=tiny-random", "data={prompts}", "reward=math", "n=2", "max_new_tokens=4"],
+        "rm": ["rm", "model=tiny-random", "data={pref}", "max_steps=1"],  # a reward model: rm probe's input
     }
 
     def __init__(self, root: Path):

@@ -26,6 +26,7 @@ from posttrain.config import CommonConfig, parse_args
 from posttrain.data import formats
 from posttrain.data.packing import Batch, collate, pack_groups
 from posttrain.data.templates import TemplateError, Tokenized, check_template, render_row, render_text
+from posttrain.errors import UserError
 from posttrain.eval.hook import EvalHook, EvalSettings
 from posttrain.models.device import resolve_device, synchronize
 from posttrain.models.forward import token_logprobs
@@ -131,6 +132,9 @@ def load_data(tok, cfg: SFTConfig) -> tuple[list[Tokenized], list[Tokenized], li
         eval_rows, eval_fmt = [rows[i] for i in order[:n_eval]], fmt
         rows = [rows[i] for i in sorted(order[n_eval:])]
     train = tokenize_rows(tok, rows, fmt, cfg)
+    if rows and not train:  # too_long=drop dropped every sample
+        raise UserError(f"{cfg.data}: every one of its {len(rows)} training samples is longer than max_length="
+                        f"{cfg.max_length} tokens and too_long=drop dropped them all: raise max_length")
     evals = tokenize_rows(tok, eval_rows, eval_fmt, cfg)[: cfg.eval_max_rows]
     convs = [c for c in (conversation_of(r.data, eval_fmt) for r in eval_rows) if c][: cfg.sample_count]
     return train, evals, convs

@@ -15,8 +15,10 @@ without a second model:
   (Schulman's k3: unbiased for KL(π₀‖π_θ) when y ~ π₀, never negative); `kl_start/seq` sums it over
   each sample's tokens (nats per sequence, the KL budget's unit).
 
-Cost: one no-grad forward over `size` samples every `every` steps (16 samples every 5 steps of a
-32-sample quickstart step: ~2% of its forward work). The probe is checkpointed, so a resumed run keeps
+Cost: one no-grad fp32 forward over `size` samples every `every` steps, each prompt once (shared prefix, as
+in training). The quickstart's 16 samples of 4 prompts are about half its 32-sample training forward, in fp32
+instead of bf16: on SmolLM2 (2 cores, a loaded machine) 3.7 s per probe, 7.6 s before the samples of one prompt
+shared it; benchmarks/grpo_vs_trl.py shows it as the "kl probe" row. `kl_probe_every` trades it for resolution. The probe is checkpointed, so a resumed run keeps
 measuring against the same π₀. Steps that do not measure carry no `kl_start` key (never a 0 that was not
 measured). Off under torchrun (the ranks would have to agree on the probe set) and with a reference
 loaded (then `kl` is the measured KL to π_ref).
@@ -50,8 +52,10 @@ class DriftProbe:
         self.start_logp: list[list[float]] = []  # per sample: log π₀ of its loss tokens
 
     def _batch(self, run):
-        trajs = [Trajectory(p, r, torch.zeros(sum(e - s for s, e in spans)), group=i, loss_spans=[tuple(x) for x in spans])
-                 for i, (p, r, spans) in enumerate(self.samples)]
+        groups: dict[tuple[int, ...], int] = {}  # samples of one prompt form a group: the row holds its prompt once
+        trajs = [Trajectory(p, r, torch.zeros(sum(e - s for s, e in spans)), group=groups.setdefault(tuple(p), len(groups)),
+                            loss_spans=[tuple(x) for x in spans])
+                 for p, r, spans in self.samples]
         return make_batches(trajs, run.tok.pad_token_id or 0, 1 << 30, device=run.device)
 
     @torch.no_grad()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config import MODEL_HELP, Config, backend_field, chat_template_args_field, chat_template_field, parse_args
 from posttrain.data import formats
@@ -27,11 +27,14 @@ from posttrain.errors import UserError
 from posttrain.outputs import atomic_open, check_output_file, to_json
 from posttrain.rollout.select import HELP as SELECT_HELP
 from posttrain.rollout.select import check_select
+from posttrain.rollout.settings import check_stops
 from posttrain.rollout.types import Request, SamplingParams
 
 
 class GenerateConfig(Config):
     """Sample completions for a file of prompts."""
+
+    _stops = field_validator("stop_strings")(check_stops)
 
     model: str = Field("tiny-random", description=MODEL_HELP)
     data: str = Field("", description="prompts .jsonl: one object per line with `prompt` (string or [{role, content}] list)")
@@ -169,8 +172,11 @@ def main(argv: list[str]) -> None:
         n_tok, kept = write_selected(cfg.output, outs, rows, selector)
         what = f"{len(prompts)} prompts x {cfg.n} samples, {kept} kept by {selector.describe()} -> {cfg.output}"
     errors = sum(1 for o in outs if o.error)
-    print(f"{what}: {n_tok} tokens in {dt:.2f} s = {n_tok / dt:.1f} tokens/s"
+    print(f"{what}: {n_tok} tokens in {dt:.2f} s = {n_tok / max(dt, 1e-9):.1f} tokens/s"
           + (f"; {errors} prompts failed (see their error lines)" if errors else ""))
     if hasattr(backend, "metrics"):
         m = backend.metrics()
         print("engine: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+    if outs and errors == len(outs):  # nothing was sampled: not a success, however well the file was written
+        first = next(o.error for o in outs if o.error)
+        raise UserError(f"every prompt failed ({errors} of {len(outs)}; first: {first}); their error lines are in {cfg.output}")

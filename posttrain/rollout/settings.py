@@ -7,10 +7,17 @@ per-request `SamplingParams` by `params()`.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config import Config
 from posttrain.rollout.types import SamplingParams
+
+
+def check_stops(value: list[str]) -> list[str]:
+    """stop_strings: non-empty strings (an empty one would stop every sample before its first token)."""
+    if any(not s for s in value):
+        raise ValueError(f"stop strings must be non-empty (got {value!r}); leave out the empty one")
+    return value
 
 
 class SamplingSettings(Config):
@@ -20,6 +27,8 @@ class SamplingSettings(Config):
     max_new_tokens: int = Field(128, ge=1, description="generation limit per sample")
     ignore_eos: bool = Field(False, description="always generate max_new_tokens (benchmarks and planner checks)")
     stop_strings: list[str] = Field(default_factory=list, description="stop when the completion contains one (kept in the output)")
+
+    _stops = field_validator("stop_strings")(check_stops)
 
     def params(self, n: int = 1, seed: int | None = None) -> SamplingParams:
         return SamplingParams(n=n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,

@@ -51,6 +51,10 @@ CASES = [
         param="messages.[0].content"),
     Req("completion-lone-surrogate", TEXT, b'{"prompt": "x \\udfff", "max_tokens": 2}', param="prompt"),
     Req("stop-lone-surrogate", TEXT, b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 2}', param="stop"),
+    Req("not-utf8-bytes", TEXT, b'{"prompt": "caf\xe9", "max_tokens": 2}'),
+    Req("surrogate-in-content-part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}], '
+                                           b'"max_tokens": 2}', param="messages.[0].content.[0].text"),
+    Req("surrogate-in-prompt-list", TEXT, b'{"prompt": ["ok", "\\ud800"], "max_tokens": 2}', param="prompt.[1]"),
     Req("chat-template-kwargs-not-object", CHAT, {"messages": HI, "max_tokens": 2, "chat_template_kwargs": [1]},
         param="chat_template_kwargs"),
     # ---- values out of range

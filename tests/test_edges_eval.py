@@ -39,6 +39,15 @@ def _base_model(tmp):
     (tmp / "base" / "chat_template.jinja").unlink(missing_ok=True)
 
 
+def _run_folder(summary: str | None, metrics: str = '{"step": 1, "loss": 1.5}\n'):
+    def setup(tmp):
+        (tmp / "run").mkdir()
+        (tmp / "run" / "metrics.jsonl").write_text(metrics)
+        if summary is not None:
+            (tmp / "run" / "summary.json").write_text(summary)
+    return setup
+
+
 def _both(*setups):
     def setup(tmp):
         for s in setups:
@@ -322,6 +331,12 @@ def cases(ws):
         Case("report-two-folders", [*REPORT, "{tmp}", "{tmp}"], ERROR, ("usage",)),
         Case("report-rebuilds-a-run", [*REPORT, "{copy:sft}"], WORKS, keep=("{copy:sft}/final", "{copy:sft}/checkpoints"),
              check=lambda run: (run.tmp / "copy-sft" / "report.html").is_file()),
+        Case("report-truncated-summary", [*REPORT, "{tmp}/run"], WORKS, setup=_run_folder('{"steps": 1'),
+             check=lambda run: (run.tmp / "run" / "report.html").is_file() and "summary.json" in run.err or pytest.fail(run.err)),
+        Case("report-summary-not-an-object", [*REPORT, "{tmp}/run"], WORKS, setup=_run_folder("[1, 2]"),
+             check=lambda run: (run.tmp / "run" / "report.html").is_file() or pytest.fail("no report")),
+        Case("report-empty-metrics", [*REPORT, "{tmp}/run"], WORKS, setup=_run_folder(None, metrics=""),
+             check=lambda run: (run.tmp / "run" / "report.html").is_file() or pytest.fail("no report")),
         Case("report-truncated-metrics-line", [*REPORT, "{copy:sft}"], WORKS, keep=("{copy:sft}/final",),
              setup=lambda tmp: None, check=lambda run: (run.tmp / "copy-sft" / "report.html").is_file()),
     ]

@@ -7,6 +7,7 @@ directory with metrics.jsonl gets the run page (grid of training plots, summary.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from posttrain.errors import UserError
@@ -27,10 +28,26 @@ def rebuild(run_dir: str | Path) -> Path:
         raise UserError(f"{d}: no metrics.jsonl (nor a quickstart's compare.json): not a run directory{hint}")
     sections = {}
     for name, file in (("summary", "summary.json"), ("plan vs measured", "plan.json")):
-        if (d / file).is_file():
-            data = json.loads((d / file).read_text())
+        data = _section(d / file)
+        if data is not None:
             sections[name] = data.get("comparison", {}) if file == "plan.json" else data
     return write_report(d, f"run — {d}", sections)
+
+
+def _section(path: Path) -> dict | None:
+    """A JSON object the run page shows, or None when absent; an unreadable one (a run killed while writing it) is
+    left out of the page with a warning, not a reason to lose the rest of the report."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        print(f"warning: {path}: not readable JSON ({e}); the page is built without it", file=sys.stderr)
+        return None
+    if not isinstance(data, dict):
+        print(f"warning: {path}: not a JSON object; the page is built without it", file=sys.stderr)
+        return None
+    return data
 
 
 def main(argv: list[str]) -> None:

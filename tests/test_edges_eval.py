@@ -61,6 +61,17 @@ def boom(prompts, completions, **kw):
 
 def nothing(prompts, completions, **kw):
     return [None] * len(completions)
+
+def short(prompts, completions, **kw):
+    return [1.0]
+
+def words(prompts, completions, **kw):
+    return ["a"] * len(completions)
+
+def one_bad(prompts, completions, **kw):
+    if "3" in completions:  # the batch fails, then row 2 alone when it is re-run sample by sample
+        raise ValueError("bad row")
+    return [0.0] * len(completions)
 """
 
 
@@ -322,6 +333,12 @@ def cases(ws):
         Case("score-unknown-reward", [*SCORE, "reward=mathh"], ERROR, ("mathh",)),
         Case("score-output-over-its-data", ["score", "data={tmp}/c.jsonl", "reward=math", "output={tmp}/c.jsonl"], ERROR,
              ("data= file itself",), setup=_rows("c.jsonl", [{"completion": "2", "answer": "2"}]), keep=("{tmp}/c.jsonl",)),
+        Case("score-reward-wrong-length", [*SCORE, "reward={tmp}/r.py:short"], ERROR,
+             ("4 reward error(s)", "completions.jsonl:1", "list of 4 values", "o.jsonl"), setup=_file("r.py", REWARDS)),
+        Case("score-reward-not-numbers", [*SCORE, "reward={tmp}/r.py:words"], ERROR, ("non-number", "'a'"),
+             setup=_file("r.py", REWARDS)),
+        Case("score-reward-fails-on-one-row", [*SCORE, "reward={tmp}/r.py:one_bad"], ERROR,
+             ("1 reward error(s)", "completions.jsonl:2", "bad row"), setup=_file("r.py", REWARDS)),
         Case("score-no-output", ["score", "data={completions}", "reward=math"], ERROR, ("output",)),
         # ---- report
         Case("report-not-a-run", [*REPORT, "{tmp}"], ERROR, ("not a run directory",)),

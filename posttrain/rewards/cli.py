@@ -4,7 +4,8 @@ Each input row is a JSON object with `completion` (a string or a `[{role, conten
 optional `prompt`, and the columns the rewards read (`answer` for math, `tests` or `stdio` for
 code, `language`, ...). Each output row is the input row plus `reward` (the weighted sum) and
 `rewards` ({name: value}); rows where a reward failed also get `reward_errors`. A summary (mean per
-reward, None and error counts, time) is printed; the exit status is 1 when any reward failed.
+reward, None and error counts, time) is printed; a reward that failed on any row is listed per row and ends the
+command with one error line naming the first (exit status 2), the output written.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def main(argv: list[str]) -> None:
         mean = sum(got) / len(got) if got else math.nan
         n_err = sum(1 for e in errors if e["reward"] == name)
         print(f"  {name:18s} weight {w:<6g} mean {mean:.4f}  scored {len(got)}  None {len(vals) - len(got) - n_err}  errors {n_err}")
-    for e in errors[:20]:
-        print(f"error: {cfg.data}:{e['line']}: reward '{e['reward']}': {e['error'].strip().splitlines()[0]}", file=sys.stderr)
+    where = [f"{cfg.data}:{e['line']}: reward '{e['reward']}': {(e['error'].strip().splitlines() or [''])[0]}" for e in errors]
+    for line in where[:20]:  # the rows, then one error line (the CLI's) naming the first
+        print(f"  {line}", file=sys.stderr)
     if errors:
-        print(f"{len(errors)} reward error(s); rows marked with reward_errors in {cfg.output}", file=sys.stderr)
-        raise SystemExit(1)
-    return
+        raise UserError(f"{len(errors)} reward error(s), first {where[0]}; every row was written to {cfg.output}, "
+                        "the failed ones marked with reward_errors")

@@ -69,7 +69,7 @@ def test_interrupted_quickstart_resumes_to_the_same_numbers(tmp_path, monkeypatc
 
 def test_fresh_true_starts_over(tmp_path):
     out = tmp_path / "qs"
-    out.mkdir()
-    (out / "stale.txt").write_text("x")
+    (out / "eval_before").mkdir(parents=True)  # a quickstart folder (only its own entries): fresh=true deletes it
+    (out / "eval_before" / "stale.txt").write_text("x")
     quickstart.main([*TINY, f"output_dir={out}", "fresh=true", "rl.max_steps=1"])
-    assert not (out / "stale.txt").exists() and (out / "report.html").is_file()
+    assert not (out / "eval_before" / "stale.txt").exists() and (out / "report.html").is_file()

@@ -52,6 +52,8 @@ RUNS = {
     "honest_add": {},
     "honest_lr": {"optim": {"lr": 1.0e-5, "schedule": "linear", "warmup_ratio": 0.0}},
     "honest_bonus_unused": {"reward": f"math,{HERE}:exclaim", "max_steps": 30},
+    # honest_vllm is not recorded here: it is the quickstart's own rl/ folder from
+    # `.venv-vllm/bin/posttrain quickstart output_dir=X rl.backend=vllm`, written with fixture("honest_vllm", X / "rl")
     "hack_token": {"reward": f"math,{HERE}:magic_word:2.0", "max_steps": 30},
     "hack_length": {"reward": f"math,{HERE}:verbose", "sampling": {"temperature": 1.0, "max_new_tokens": 64}, "max_steps": 30},
     "hack_format": {"reward": f"{HERE}:bare_number", "reward_args": {}, "max_steps": 30},

@@ -258,8 +258,8 @@ def shaping_rise(s: AlarmSettings, row: dict, bands: dict, initial: dict):
 def eval_gap(s: AlarmSettings, row: dict, bands: dict, initial: dict):
     """On an evaluation step, the training reward (`eval/train_reward`: mean of the last `eval_gap_window`
     steps) against the held-out pass@1 under the trusted verifier: above it by more than `eval_gap`, or
-    risen since the first evaluation by more than `eval_rise_gap` beyond what pass@1 rose. Training pays
-    what held-out correctness does not show."""
+    risen since the first evaluation by more than `eval_rise_gap` beyond what pass@1 rose while pass@1 stayed
+    within the first evaluation's interval. Training pays what held-out correctness does not show."""
     held_out, train = row.get("eval/pass@1"), row.get("eval/train_reward")
     if held_out is None or train is None:
         return None
@@ -269,7 +269,14 @@ def eval_gap(s: AlarmSettings, row: dict, bands: dict, initial: dict):
     first_train, first_eval = (initial.get("eval/train_reward") or [None])[0], (initial.get("eval/pass@1") or [None])[0]
     if s.eval_rise_gap is None or first_train is None or first_eval is None:
         return None
-    rise = (train - first_train) - (held_out - first_eval)
+    rise = (train - held_out) - (first_train - first_eval)
+    # ... while held-out pass@1 has not risen beyond the first evaluation's interval. A held-out gain outside it is
+    # learning: the training reward (a mean of the last steps) lags the held-out score at a fast-learning first
+    # evaluation, and growing out of that lag looks like a rise (honest GRPO on SmolLM2 through vLLM: gap -0.156 at
+    # step 10, +0.094 at step 40, pass@1 0.519 [0.41, 0.62] -> 0.787; the format hack: pass@1 0.213 -> 0.167)
+    first_high = (initial.get("eval/pass@1_high") or [None])[0]
+    if first_high is not None and held_out > first_high:
+        return None
     if rise > s.eval_rise_gap:
         return rise, s.eval_rise_gap, (f"since the first evaluation the training reward rose {train - first_train:+.3g} "
                                        f"({first_train:.3g} -> {train:.3g}) and held-out pass@1 {held_out - first_eval:+.3g} "
@@ -334,7 +341,7 @@ CHECKS: dict[str, tuple[Check, str]] = {
 NAMES = ("nonfinite", *CHECKS)
 TRACKED = ("reward/mean", "response_length/mean", "grad_norm")  # metrics with a running band
 INITIAL = ("entropy", "reward/shaping", "response_length/mean",  # metrics whose first warmup_steps values are kept
-           "eval/train_reward", "eval/pass@1")
+           "eval/train_reward", "eval/pass@1", "eval/pass@1_high")
 
 
 def as_number(value) -> float | None:

@@ -102,7 +102,7 @@ def _run_dir(clear: bool = False) -> Path | None:
 def interrupted_note(command: str, run_dir: Path | None) -> str:
     """What an interrupted command left: the newest complete checkpoint and the resume command."""
     if run_dir is None:
-        return f"posttrain {command} stopped before it wrote anything to keep; run it again to start over"
+        return f"posttrain {command} stopped (Ctrl-C) before any training run started; run the same command again"
     steps = sorted(int(p.parent.name.split("-")[1]) for p in run_dir.glob("checkpoints/step-*/state.json")
                    if p.parent.name.split("-")[1].isdigit())
     if not steps:

@@ -9,8 +9,10 @@ import yaml
 
 from edges import ERROR, WORKS, Case, classify, ids, run_cli
 
-BASE = ["sft", "model=tiny-random", "data={sft}", "output_dir={tmp}/out", "max_steps=1"]
-TINY = ["forgetting_probe=false", "sample_every=0"]  # the works-cases' cost: one step, no probe, no generations
+BASE = ["sft", "model=tiny-random", "data={sft}", "output_dir={tmp}/out", "max_steps=1"]  # the defaults, once
+# the works-cases' cost: one step of one row, short rows, no forgetting probe, no generations
+TINY = ["forgetting_probe=false", "sample_every=0", "batch_size=1", "micro_batch_size=1", "max_length=64",
+        "pad_to_multiple_of=8"]
 
 
 def _final_exists(run):
@@ -89,6 +91,12 @@ def _sft(data, *extra):
     return ["sft", "model=tiny-random", f"data={data}", "output_dir={tmp}/out", "max_steps=1", *TINY, *extra]
 
 
+def _read(data, *extra):
+    """A run that reads, checks and tokenizes `data`, loads the model and writes final/, without a step: what a
+    data-format case needs (summary.json's train_samples counts what was read)."""
+    return _sft(data, "max_steps=0", *extra)
+
+
 ROWS8 = [_conv(f"What is {i} + 1?", f"{i + 1}.") for i in range(8)]
 
 CASES = [
@@ -105,7 +113,7 @@ CASES = [
     # 1 row: no eval split possible; finishes with final/ and says why there is no eval (was: exit 1, TypeError)
     Case("sft-one-row", _sft("{tmp}/d.jsonl"), WORKS, setup=_jsonl("d.jsonl", ROWS8[:1]),
          check=_summary(eval_samples=0, train_samples=1)),
-    Case("sft-eval-fraction-zero", _sft("{sft}", "eval_fraction=0"), WORKS, check=_summary(eval_samples=0)),
+    Case("sft-eval-fraction-zero", _read("{sft}", "eval_fraction=0"), WORKS, check=_summary(eval_samples=0)),
     Case("sft-max-steps-0", _sft("{sft}", "max_steps=0"), WORKS, check=_summary(steps=0)),
     Case("sft-batch-larger-than-data", _sft("{sft}", "batch_size=64", "micro_batch_size=64"), WORKS,
          check=_final_exists),
@@ -141,25 +149,25 @@ CASES = [
          mentions=("d.jsonl:3", "content")),
     Case("sft-missing-column", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [*ROWS8[:2], {"text2": "x"}]),
          mentions=("d.jsonl:3", "messages")),
-    Case("sft-extra-columns", _sft("{tmp}/d.jsonl"), WORKS,
+    Case("sft-extra-columns", _read("{tmp}/d.jsonl"), WORKS,
          setup=_jsonl("d.jsonl", [{**r, "id": i, "meta": {"src": "x"}} for i, r in enumerate(ROWS8)]),
          check=_summary(train_samples=8)),
-    Case("sft-unicode", _sft("{tmp}/d.jsonl"), WORKS,
+    Case("sft-unicode", _read("{tmp}/d.jsonl"), WORKS,
          setup=_jsonl("d.jsonl", [_conv("Wie viel ist 2 + 2? 🤔 — «réponds»", "四 (4) ✓ ∑"), *ROWS8[:3]]),
          check=_summary(train_samples=4)),
     Case("sft-long-line-refused", _sft("{tmp}/d.jsonl", "max_length=64"), ERROR,
          setup=_jsonl("d.jsonl", [_conv("word " * 2000, "ok")]), mentions=("d.jsonl:1", "max_length", "too_long")),
-    Case("sft-long-line-dropped", _sft("{tmp}/d.jsonl", "max_length=64", "too_long=drop"), WORKS,
+    Case("sft-long-line-dropped", _read("{tmp}/d.jsonl", "max_length=64", "too_long=drop"), WORKS,
          setup=_jsonl("d.jsonl", [_conv("word " * 2000, "ok"), *ROWS8[:2]]), check=_summary(train_samples=2)),
-    Case("sft-prompt-completion", _sft("{tmp}/d.jsonl"), WORKS,
+    Case("sft-prompt-completion", _read("{tmp}/d.jsonl"), WORKS,
          setup=_jsonl("d.jsonl", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]),
          check=_summary(train_samples=4)),
-    Case("sft-text", _sft("{tmp}/d.jsonl"), WORKS,
+    Case("sft-text", _read("{tmp}/d.jsonl"), WORKS,
          setup=_jsonl("d.jsonl", [{"text": f"{i} plus one is {i + 1}."} for i in range(4)]), check=_summary(train_samples=4)),
     Case("sft-empty-text", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [{"text": "a"}, {"text": ""}]),
          mentions=("d.jsonl:2", "text")),
     Case("sft-preference-data", _sft("{pref}"), ERROR, mentions=("pref.jsonl", "messages")),
-    Case("sft-json-array", _sft("{tmp}/d.json"), WORKS, setup=_write("d.json", json.dumps(ROWS8[:4])),
+    Case("sft-json-array", _read("{tmp}/d.json"), WORKS, setup=_write("d.json", json.dumps(ROWS8[:4])),
          check=_summary(train_samples=4)),
     Case("sft-json-object-not-list", _sft("{tmp}/d.json"), ERROR, setup=_write("d.json", json.dumps(ROWS8[0])),
          mentions=("d.json",)),
@@ -167,17 +175,17 @@ CASES = [
          mentions=("d.jsonl:1", "object")),
     Case("sft-invalid-json-line", _sft("{tmp}/d.jsonl"), ERROR,
          setup=_write("d.jsonl", json.dumps(ROWS8[0]) + "\n{not json\n"), mentions=("d.jsonl:2", "json")),
-    Case("sft-blank-lines", _sft("{tmp}/d.jsonl"), WORKS,
+    Case("sft-blank-lines", _read("{tmp}/d.jsonl"), WORKS,
          setup=_write("d.jsonl", "\n".join(json.dumps(r) for r in ROWS8[:3]) + "\n\n\n"), check=_summary(train_samples=3)),
-    Case("sft-parquet", _sft("{tmp}/d.parquet"), WORKS,
+    Case("sft-parquet", _read("{tmp}/d.parquet"), WORKS,
          setup=_parquet("d.parquet", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]),
          check=_summary(train_samples=4)),
-    Case("sft-datasets-folder", _sft("{tmp}/ds"), WORKS,
+    Case("sft-datasets-folder", _read("{tmp}/ds"), WORKS,
          setup=_datasets_folder("ds", [{"text": f"{i} plus one is {i + 1}."} for i in range(4)]),
          check=_summary(train_samples=4)),
     Case("sft-plain-folder", _sft("{tmp}"), ERROR, mentions=("datasets folder",)),
     Case("sft-csv", _sft("{tmp}/d.csv"), ERROR, setup=_write("d.csv", "a,b\n1,2\n"), mentions=("d.csv", ".jsonl")),
-    Case("sft-task", _sft("arithmetic:16"), WORKS, check=_summary(train_samples=16)),
+    Case("sft-task", _read("arithmetic:16"), WORKS, check=_summary(train_samples=16)),
     Case("sft-task-bad-count", _sft("arithmetic:abc"), ERROR, mentions=("arithmetic:abc",)),
     Case("sft-eval-data-missing", [*BASE, "eval_data={tmp}/nope.jsonl"], ERROR, mentions=("nope.jsonl",)),
     Case("sft-eval-data-empty", [*BASE, "eval_data={empty}"], ERROR, mentions=("empty.jsonl",)),
@@ -222,10 +230,22 @@ CASES = [
     Case("sft-positional-word", [*BASE, "fast"], ERROR, mentions=("fast",)),
     Case("sft-dashed-needs-value", [*BASE, "--max-length"], ERROR, mentions=("--max_length",)),
     Case("sft-dashed-forms", ["sft", "--model", "tiny-random", "--data={sft}", "--output-dir", "{tmp}/out",
-                              "--max-steps", "1", "--no-forgetting-probe", "--sample-every=0"], WORKS,
-         check=_config(max_steps=1, forgetting_probe=False, sample_every=0)),
+                              "--max-steps", "1", "--no-forgetting-probe", "--sample-every=0", "--batch-size", "1",
+                              "--micro-batch-size=1", "--max-length", "64", "--packing", "false"], WORKS,
+         check=_config(max_steps=1, forgetting_probe=False, sample_every=0, max_length=64, packing=False)),
     Case("unknown-command", ["sftt"], ERROR, mentions=("sftt", "sft")),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _no_activation_probe(monkeypatch):
+    """The planner's activation probe (training/memprobe.py, tested in its own tests) measures two profiled passes
+    per run: most of a tiny run's time. The plan falls back to its closed form."""
+    from posttrain.recipes.rl import build
+    from posttrain.training import plan
+
+    monkeypatch.setattr(plan, "activation_fit", lambda *a, **k: None)
+    monkeypatch.setattr(build, "activation_fit", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))

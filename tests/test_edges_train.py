@@ -9,7 +9,8 @@ from edges import ERROR, FILES, WORKS, Case, classify, ids
 from posttrain.config import parse_args, save_yaml
 
 RM = ["rm", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1"]
-DPO = ["dpo", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1", "length_probe.max_new_tokens=4"]
+# the length probe samples 8 x 256 tokens at each eval: 4 tokens in dpo-works, off in the other dpo cases
+DPO = ["dpo", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1", "length_probe.prompts=0"]
 DISTILL = ["distill", "model=tiny-random", "teacher=tiny-random", "output_dir={tmp}/out", "max_steps=1"]
 LOGIT = [*DISTILL, "mode=logit", "data={sft}"]
 SEQ = [*DISTILL, "mode=sequence", "data={prompts}", "max_new_tokens=4", "n=1"]
@@ -127,14 +128,14 @@ CASES = [
     Case("rm-betas-out-of-range", [*RM, "optim.betas=[1.5, 2]"], ERROR, mentions=("optim.betas",)),
     Case("rm-lora-unknown-target", [*RM, "lora.enabled=true", "lora.target_modules=qq_proj"], ERROR,
          mentions=("lora.target_modules", "qq_proj")),
-    Case("rm-json-array", [*RM[:2], "data={tmp}/pairs.json", *RM[3:]], WORKS,
+    Case("rm-json-array", [*RM[:2], "data={tmp}/pairs.json", *RM[3:-1], "max_steps=0"], WORKS,
          setup=_write("pairs.json", json.dumps(_pairs(4))), check=_final),
-    Case("rm-parquet", [*RM[:2], "data={tmp}/pairs.parquet", *RM[3:]], WORKS, setup=_parquet("pairs.parquet", _pairs(4)),
+    Case("rm-parquet", [*RM[:2], "data={tmp}/pairs.parquet", *RM[3:-1], "max_steps=0"], WORKS, setup=_parquet("pairs.parquet", _pairs(4)),
          check=_final),
     Case("rm-chosen-not-text", [*RM[:2], "data={tmp}/bad.jsonl", *RM[3:]], ERROR,
          setup=_jsonl("bad.jsonl", [*_pairs(2), {"prompt": "x", "chosen": 3, "rejected": "y"}]),
          mentions=("bad.jsonl:3", "chosen")),
-    Case("rm-unicode", [*RM[:2], "data={tmp}/u.jsonl", *RM[3:]], WORKS,
+    Case("rm-unicode", [*RM[:2], "data={tmp}/u.jsonl", *RM[3:-1], "max_steps=0"], WORKS,
          setup=_jsonl("u.jsonl", [{"prompt": "Combien font 2 + 2 ? 🤔", "chosen": "4 ✓ — quatre", "rejected": "五"}] * 3),
          check=_final),
     # ------------------------------------------------------------------ rm probe
@@ -146,7 +147,7 @@ CASES = [
     Case("rm-probe-rm-is-policy", ["rm", "probe", "rm={tmp}/policy", "data={pref}", "output_dir={tmp}/probe"], ERROR,
          setup=_policy_folder, mentions=("policy", "reward model")),
     # ------------------------------------------------------------------ dpo family
-    Case("dpo-works", DPO, WORKS, check=_final),
+    Case("dpo-works", [*DPO[:-1], "length_probe.max_new_tokens=4"], WORKS, check=_final),
     Case("dpo-no-data", ["dpo", "model=tiny-random", "output_dir={tmp}/out"], ERROR, mentions=("data=", "chosen")),
     Case("dpo-unknown-loss", [*DPO, "loss=dpoo"], ERROR, mentions=("dpoo",)),
     Case("dpo-orpo", [*DPO, "loss=orpo"], WORKS, check=_final),
@@ -238,9 +239,24 @@ CASES = [
          setup=_lora_adapter("{tmp}/gone"), mentions=("adapter", "gone")),
     Case("rm-model-typo-path", [*RM[:1], "model={tmp}/nope/model", *RM[2:]], ERROR, mentions=("nope/model",)),
     Case("rm-model-relative-typo", [*RM[:1], "model=./runs/nope", *RM[2:]], ERROR, mentions=("./runs/nope",)),
+    # one slash reads as a Hub id (org/name), but runs/ is a folder here: refused at once, no Hub round trip
+    Case("dpo-model-local-folder-typo", [*DPO[:1], "model=runs/nope", *DPO[2:]], ERROR,
+         setup=lambda tmp: (tmp / "runs").mkdir(), mentions=("runs/nope", "local folder")),
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_activation_probe(monkeypatch):
+    """The planner's activation probe (training/memprobe.py, tested in its own tests) measures two profiled passes
+    per run: most of a tiny run's time. The plan falls back to its closed form."""
+    from posttrain.recipes.rl import build
+    from posttrain.training import plan
+
+    monkeypatch.setattr(plan, "activation_fit", lambda *a, **k: None)
+    monkeypatch.setattr(build, "activation_fit", lambda *a, **k: None)
+
+
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))
-def test_case(case, workspace, tmp_path):
+def test_case(case, workspace, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths land in the case's folder
     classify(case, workspace, tmp_path)

@@ -55,6 +55,10 @@ def resolve(name: str) -> Path | str | None:
             raise UserError(f"{path}: no config.json (not a Hugging Face model folder)")
         return path
     if is_hub_id(name):
+        org = Path(name.split("/", 1)[0])
+        if org.is_dir():  # `runs/sft` typed for `runs/sft/final`: a local path, not worth a Hub round trip
+            raise UserError(f"model '{name}' not found: {org}/ is a local folder and has no {path.name}/ with a "
+                            f"config.json (a run's model is in <output_dir>/final)")
         return name
     known = ", ".join([*TINY_CONFIGS, *REAL_MODELS])
     raise UserError(f"model '{name}' not found: give an HF folder, a built-in name ({known}) or a Hub id (org/name)")

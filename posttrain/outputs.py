@@ -19,7 +19,7 @@ import contextlib
 import json
 import math
 import os
-import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -103,9 +103,9 @@ def atomic_open(path: str | Path, mode: str = "w", encoding: str = "utf-8") -> I
     exception (the folder is created); on an exception the temporary file is removed and `path` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # "x": created here, the umask's mode
     try:
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else encoding) as f:
+        with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else encoding) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:

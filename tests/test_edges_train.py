@@ -241,7 +241,7 @@ CASES = [
     Case("rm-model-relative-typo", [*RM[:1], "model=./runs/nope", *RM[2:]], ERROR, mentions=("./runs/nope",)),
     # one slash reads as a Hub id (org/name), but runs/ is a folder here: refused at once, no Hub round trip
     Case("dpo-model-local-folder-typo", [*DPO[:1], "model=runs/nope", *DPO[2:]], ERROR,
-         setup=lambda tmp: (tmp / "runs").mkdir(), mentions=("runs/nope", "local folder")),
+         setup=lambda tmp: (tmp / "runs").mkdir(), mentions=("runs/nope", "runs/ is a local folder")),
 ]
 
 

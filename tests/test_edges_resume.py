@@ -151,6 +151,10 @@ CASES = [
     Case("rl-resume-data-shrank-force", [*RL[:2], "data={tmp}/mine/data.jsonl", *RL[3:], "output_dir={tmp}/mine",
                                          "resume=force"], ERROR, setup=own_copy("rl", data_moved(3, "prompts")),
          mentions=("3 training items", "had 8")),  # was: IndexError
+    Case("rl-resume-data-by-another-path", [*RL[:2], "data={tmp}/mine/same.jsonl", *RL[3:], "output_dir={tmp}/mine",
+                                            "resume=true"], WORKS,  # the same bytes under another name: the same data
+         setup=own_copy("rl", lambda folder: shutil.copy(ws().file("prompts"), folder / "same.jsonl")),
+         check=lambda run: steps(run, "mine") == [1, 2] and "resume=force" not in run.out),
     Case("sft-resume-lora-on-force", [*SFT, "lora.enabled=true", "output_dir={tmp}/mine", "resume=force"], ERROR,
          setup=own_copy("sft"), mentions=("checkpoint",)),  # was: a raw traceback
     Case("sft-resume-other-model-force", [*SFT, "model=tiny-random-qwen2", "output_dir={tmp}/mine", "resume=force"],

@@ -121,6 +121,8 @@ def check_record(cfg, saved: dict, run_dir: Path, what: str) -> list[str]:
     """`saved` ({"config", "data_sha256"}) against `cfg`: [] when equal, the notes of resume=force, else UserError."""
     new = run_record(cfg)
     diffs = differences(saved.get("config") or {}, new["config"])
+    if saved.get("data_sha256") and saved["data_sha256"] == new["data_sha256"]:  # the same file by another path
+        diffs = [d for d in diffs if d[0] != "data"]
     if saved.get("data_sha256") and new["data_sha256"] and saved["data_sha256"] != new["data_sha256"]:
         diffs.append((f"data (the contents of {cfg.data})", f"sha256 {saved['data_sha256'][:12]}",
                       f"sha256 {new['data_sha256'][:12]}"))

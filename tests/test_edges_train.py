@@ -8,15 +8,17 @@ import pytest
 from edges import ERROR, FILES, WORKS, Case, classify, ids
 from posttrain.config import parse_args, save_yaml
 
+SHORT = ["batch_size=1", "micro_batch_size=1", "max_length=64", "pad_to_multiple_of=8"]  # one short row a step
 RM = ["rm", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1"]
 # the length probe samples 8 x 256 tokens at each eval: 4 tokens in dpo-works, off in the other dpo cases
-DPO = ["dpo", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1", "length_probe.prompts=0"]
+DPO = ["dpo", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1", "length_probe.prompts=0",
+       "pad_to_multiple_of=8"]
 DISTILL = ["distill", "model=tiny-random", "teacher=tiny-random", "output_dir={tmp}/out", "max_steps=1"]
-LOGIT = [*DISTILL, "mode=logit", "data={sft}"]
-SEQ = [*DISTILL, "mode=sequence", "data={prompts}", "max_new_tokens=4", "n=1"]
+LOGIT = [*DISTILL, "mode=logit", "data={sft}", *SHORT]
+SEQ = [*DISTILL, "mode=sequence", "data={prompts}", "max_new_tokens=4", "n=1", *SHORT]
 ONP = [*DISTILL, "mode=on_policy", "data={prompts}", "max_new_tokens=4", "prompts_per_step=2", "group_size=2"]
 RS = ["rs", "model=tiny-random", "data={prompts}", "reward=math", "n=2", "max_new_tokens=4", "output_dir={tmp}/out",
-      "train.max_steps=1"]
+      "train.max_steps=1", *(f"train.{a}" for a in SHORT)]
 RL = ["rl", "model=tiny-random", "data={prompts}", "reward=math", "output_dir={tmp}/out", "max_steps=1",
       "prompts_per_step=2", "group_size=2", "max_new_tokens=4"]
 PROBE = ["rm", "probe", "rm={run:rm}/final", "data={pref}", "output_dir={tmp}/probe"]
@@ -196,7 +198,8 @@ CASES = [
          check=lambda run: (run.tmp / "again" / "final").is_dir()),
     # ------------------------------------------------------------------ rs
     Case("rs-works", RS, WORKS, check=lambda run: run.json("out/summary.json")),
-    Case("rs-no-sft", [*RS[:-1], "sft=false"], WORKS, check=lambda run: (run.tmp / "out" / "round-1" / "kept.jsonl").is_file()),
+    Case("rs-no-sft", [*RS[:7], "sft=false"], WORKS, check=lambda run: (run.tmp / "out" / "round-1" / "kept.jsonl").is_file()),
+    Case("rs-no-sft-train-key", [*RS[:7], "sft=false", "train.max_steps=3"], ERROR, mentions=("train.max_steps", "sft")),
     Case("rs-greedy-n2", [*RS, "temperature=0"], ERROR, mentions=("temperature",)),
     Case("rs-keep-above-no-threshold", [*RS, "keep=above"], ERROR, mentions=("threshold",)),
     Case("rs-unknown-reward", [*RS[:3], "reward=maths", *RS[4:]], ERROR, mentions=("maths",)),

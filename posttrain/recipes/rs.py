@@ -39,6 +39,7 @@ from posttrain.config import (
     chat_template_field,
     parse_args,
     report_to_field,
+    unused_key,
 )
 from posttrain.data import formats
 from posttrain.data.templates import check_template, render_prompt
@@ -111,6 +112,14 @@ class RSConfig(Config):
             raise ValueError("keep=above needs a threshold (e.g. threshold=1 for a pass/fail verifier)")
         if not self.sft and self.rounds > 1:
             raise ValueError("rounds > 1 needs sft=true (without training every round samples the same model)")
+        if not self.sft:  # the SFT's keys would be ignored: refused, as every key a run does not read
+            sft_only = (lambda c: False, "the SFT of the kept set (sft=true)")
+            unused = unused_key(self.train, dict.fromkeys(RSTrainSettings.model_fields, sft_only))
+            if unused:
+                raise ValueError(f"train.{unused}")
+            unused = unused_key(self, {"epochs": sft_only})
+            if unused:
+                raise ValueError(unused)
         if self.n > 1 and self.sampling.temperature <= 0:
             raise ValueError("n > 1 needs sampling.temperature > 0 (greedy draws are all the same)")
         # at its default, a key rs sets is what the run's own config.yaml holds (--config <run>/config.yaml reads back)

@@ -218,6 +218,8 @@ CASES = [
     Case("sft-bool-word", [*BASE, "packing=maybe"], ERROR, mentions=("packing",)),
     Case("sft-lora-unknown-target", [*BASE, "lora.enabled=true", "lora.target_modules=q_proj,qkv"], ERROR,
          mentions=("lora.target_modules", "qkv", "q_proj")),
+    Case("sft-lora-target-list", _sft("{sft}", "lora.enabled=true", "lora.r=2", "lora.target_modules=[q_proj, v_proj]"),
+         WORKS, check=_config(lora__target_modules="q_proj,v_proj")),
     Case("sft-lora-modules-to-save-unknown", [*BASE, "lora.enabled=true", "lora.modules_to_save=[foo]"], ERROR,
          mentions=("lora.modules_to_save", "foo")),
     Case("sft-lora-modules-to-save", _sft("{sft}", "lora.enabled=true", "lora.r=2", "lora.modules_to_save=[lm_head]"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config import Config
 
@@ -21,6 +21,16 @@ class LoraSettings(Config):
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
     target_modules: str = Field("all-linear", description="'all-linear' or comma-separated module names (q_proj,v_proj)")
     modules_to_save: list[str] = Field(default_factory=list, description="modules trained in full (embed_tokens, lm_head) e.g. after adding tokens")
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, v):
+        """PEFT's list form too: [q_proj, v_proj] (a YAML list, or that text kept from the command line)."""
+        if isinstance(v, (list, tuple)):
+            return ",".join(str(x) for x in v)
+        if isinstance(v, str) and v.strip().startswith("[") and v.strip().endswith("]"):
+            return ",".join(x.strip().strip("'\"") for x in v.strip()[1:-1].split(","))
+        return v
 
 
 def apply_lora(model, cfg: LoraSettings, task_type: str = "CAUSAL_LM"):

@@ -126,7 +126,8 @@ def test_label_two_policies_writes_trl_preference_pairs(fake, tmp_path):
     assert rows[0]["prompt"] == "Name a fruit." and rows[0]["chosen"] == "apple, crisp and sweet" and rows[0]["rejected"] == "fig"
     assert rows[1]["prompt"] == [{"role": "user", "content": "Name a tree."}]  # conversational in, conversational out
     assert rows[1]["chosen"] == [{"role": "assistant", "content": "a tall pine on the hill"}]
-    assert rows[1]["source"] == {"prompt_index": 1, "a": "A:0", "b": "B:0", "chosen": "B:0"}
+    assert rows[1]["source"] == {"prompt_index": 1, "a": "A:0", "b": "B:0", "chosen": "B:0",  # models: for eval rank
+                                 "models": {"A": str(tmp_path / "a.jsonl"), "B": str(tmp_path / "b.jsonl")}}
     assert rows[0]["judge"]["version"] == "pairwise-v1" and rows[0]["judge"]["orders"] == ["a", "a"]
     from posttrain.data.formats import load
 

@@ -57,8 +57,20 @@ def train_arm(cfg: rl.RLConfig, token_budget: int | None, label: str) -> dict:
         print(f"  {label} step {step + 1:>3} | tokens {tokens:>6} | reward {row['reward/mean']:.3f}{shown}", flush=True)
         if token_budget is not None and tokens >= token_budget:
             break
-    rl.finish(run)
+    rl.finish(run, final_checkpoint=False)  # final/ only: no optimizer state to write
     return {"rows": rows, "tokens": tokens, "steps": len(rows), "seconds": time.perf_counter() - t0}
+
+
+def finished_arm(out: Path) -> dict:
+    """A finished arm read back from its run folder (metrics.jsonl and final/)."""
+    if not (out / "final" / "config.json").is_file():
+        raise SystemExit(f"{out} has no final/: run without --reuse-uniform")
+    rows, tokens = [], 0
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        tokens += int(row["generated_tokens"])
+        rows.append({**row, "cum_generated_tokens": tokens})
+    return {"rows": rows, "tokens": tokens, "steps": len(rows), "seconds": None}
 
 
 def curve(rows: list[dict], budget: int, bins: int) -> list[dict]:
@@ -130,12 +142,16 @@ def main() -> None:
     ap.add_argument("--base", action="store_true", help="also evaluate the untrained model")
     ap.add_argument("--out", default="runs/curriculum_vs_uniform")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "curriculum_vs_uniform.json"))
+    ap.add_argument("--reuse-uniform", action="store_true", help="take the uniform arm from a finished run in --out")
     ap.add_argument("--model", default=None, help="another model (tiny-random: a seconds-long smoke test)")
     args = ap.parse_args()
     qs = parse_args(QuickstartConfig, ["--config", str(CONFIG), *([f"model={args.model}"] if args.model else [])])
     out = ROOT / args.out
     t0 = time.perf_counter()
-    arms = {"uniform": train_arm(arm_config(qs, out / "uniform", "none", args.steps, args.eval_every), None, "uniform")}
+    if args.reuse_uniform:
+        arms = {"uniform": finished_arm(out / "uniform")}
+    else:
+        arms = {"uniform": train_arm(arm_config(qs, out / "uniform", "none", args.steps, args.eval_every), None, "uniform")}
     budget = arms["uniform"]["tokens"]
     arms["band"] = train_arm(arm_config(qs, out / "band", "band", 3 * args.steps, args.eval_every), budget, "band")
     eval_cfg = qs.eval.model_copy(update={"data": HELDOUT, "n": args.n, "k": [k for k in qs.eval.k if k <= args.n]})

@@ -76,3 +76,14 @@ def workspace(tmp_path_factory):
     from edges import Workspace
 
     return Workspace(tmp_path_factory.mktemp("edges"))
+
+
+@pytest.fixture
+def no_activation_probe(monkeypatch):
+    """The planner's activation probe (training/memprobe.py, tested in tests/test_memprobe.py) runs two profiled
+    passes per run: most of a tiny run's time. The CLI fuzz cases (tests/test_edges_*.py) use the plan's closed form."""
+    from posttrain.recipes.rl import build
+    from posttrain.training import plan
+
+    monkeypatch.setattr(plan, "activation_fit", lambda *a, **k: None)
+    monkeypatch.setattr(build, "activation_fit", lambda *a, **k: None)

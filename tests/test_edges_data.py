@@ -11,6 +11,8 @@ import pytest
 
 from edges import ERROR, WORKS, Case, classify, ids
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 LATIN1 = b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "caf\xe9 + 1?", "answer": "2"}\n'
 SURROGATE = b'{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "x \\ud800 y", "answer": "2"}\n'
 PAIR = b'{"prompt": "Say \\ud83d\\ude00", "answer": "2"}\n'  # a surrogate pair: an emoji, valid

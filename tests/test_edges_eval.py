@@ -8,6 +8,8 @@ import pytest
 
 from edges import ERROR, WORKS, Case, classify, ids
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 EVAL = ["eval", "model=tiny-random", "data={prompts}", "reward=math", "output_dir={tmp}/e", "max_new_tokens=2"]
 GEN = ["generate", "model=tiny-random", "data={prompts}", "output={tmp}/s.jsonl", "max_new_tokens=2"]
 SCORE = ["score", "data={completions}", "reward=math", "output={tmp}/o.jsonl"]

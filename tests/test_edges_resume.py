@@ -17,6 +17,8 @@ from edges import ERROR, WORKS, Case, classify, ids
 from posttrain.config import parse_args, save_yaml
 from posttrain.outputs import to_json
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 WS: list = []  # the session's Workspace, for setups that build from its files and runs
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from edges import ERROR, WORKS, Case, classify, ids
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 BASE = ["rl", "model=tiny-random", "data={prompts}", "reward=math", "output_dir={tmp}/out", "max_steps=1",
         "prompts_per_step=2", "group_size=2", "max_new_tokens=4"]
 

@@ -9,6 +9,8 @@ import yaml
 
 from edges import ERROR, WORKS, Case, classify, ids, run_cli
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 BASE = ["sft", "model=tiny-random", "data={sft}", "output_dir={tmp}/out", "max_steps=1"]  # the defaults, once
 # the works-cases' cost: one step of one row, short rows, no forgetting probe, no generations
 TINY = ["forgetting_probe=false", "sample_every=0", "batch_size=1", "micro_batch_size=1", "max_length=64",
@@ -237,17 +239,6 @@ CASES = [
          check=_config(max_steps=1, forgetting_probe=False, sample_every=0, max_length=64, packing=False)),
     Case("unknown-command", ["sftt"], ERROR, mentions=("sftt", "sft")),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_activation_probe(monkeypatch):
-    """The planner's activation probe (training/memprobe.py, tested in its own tests) measures two profiled passes
-    per run: most of a tiny run's time. The plan falls back to its closed form."""
-    from posttrain.recipes.rl import build
-    from posttrain.training import plan
-
-    monkeypatch.setattr(plan, "activation_fit", lambda *a, **k: None)
-    monkeypatch.setattr(build, "activation_fit", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))

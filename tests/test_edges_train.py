@@ -8,6 +8,8 @@ import pytest
 from edges import ERROR, FILES, WORKS, Case, classify, ids
 from posttrain.config import parse_args, save_yaml
 
+pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
+
 SHORT = ["batch_size=1", "micro_batch_size=1", "max_length=64", "pad_to_multiple_of=8"]  # one short row a step
 RM = ["rm", "model=tiny-random", "data={pref}", "output_dir={tmp}/out", "max_steps=1"]
 # the length probe samples 8 x 256 tokens at each eval: 4 tokens in dpo-works, off in the other dpo cases
@@ -246,17 +248,6 @@ CASES = [
     Case("dpo-model-local-folder-typo", [*DPO[:1], "model=runs/nope", *DPO[2:]], ERROR,
          setup=lambda tmp: (tmp / "runs").mkdir(), mentions=("runs/nope", "runs/ is a local folder")),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _no_activation_probe(monkeypatch):
-    """The planner's activation probe (training/memprobe.py, tested in its own tests) measures two profiled passes
-    per run: most of a tiny run's time. The plan falls back to its closed form."""
-    from posttrain.recipes.rl import build
-    from posttrain.training import plan
-
-    monkeypatch.setattr(plan, "activation_fit", lambda *a, **k: None)
-    monkeypatch.setattr(build, "activation_fit", lambda *a, **k: None)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids(CASES))

@@ -64,7 +64,7 @@ def train_arm(cfg: rl.RLConfig, token_budget: int | None, label: str) -> dict:
 def finished_arm(out: Path) -> dict:
     """A finished arm read back from its run folder (metrics.jsonl and final/)."""
     if not (out / "final" / "config.json").is_file():
-        raise SystemExit(f"{out} has no final/: run without --reuse-uniform")
+        raise SystemExit(f"{out} has no final/: run without --reuse-{out.name}")
     rows, tokens = [], 0
     for line in (out / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/curriculum_vs_uniform")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "curriculum_vs_uniform.json"))
     ap.add_argument("--reuse-uniform", action="store_true", help="take the uniform arm from a finished run in --out")
+    ap.add_argument("--reuse-band", action="store_true", help="take the band arm too (only the final evaluations run)")
     ap.add_argument("--model", default=None, help="another model (tiny-random: a seconds-long smoke test)")
     args = ap.parse_args()
     qs = parse_args(QuickstartConfig, ["--config", str(CONFIG), *([f"model={args.model}"] if args.model else [])])
@@ -153,7 +154,10 @@ def main() -> None:
     else:
         arms = {"uniform": train_arm(arm_config(qs, out / "uniform", "none", args.steps, args.eval_every), None, "uniform")}
     budget = arms["uniform"]["tokens"]
-    arms["band"] = train_arm(arm_config(qs, out / "band", "band", 3 * args.steps, args.eval_every), budget, "band")
+    if args.reuse_band:
+        arms["band"] = finished_arm(out / "band")
+    else:
+        arms["band"] = train_arm(arm_config(qs, out / "band", "band", 3 * args.steps, args.eval_every), budget, "band")
     eval_cfg = qs.eval.model_copy(update={"data": HELDOUT, "n": args.n, "k": [k for k in qs.eval.k if k <= args.n]})
     evals = {}
     if args.base:

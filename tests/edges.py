@@ -207,3 +207,27 @@ def ids(cases: list[Case]) -> list[str]:
     dup = {i for i in seen if seen.count(i) > 1}
     assert not dup, f"duplicate case ids: {dup}"
     return seen
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small builders the case files share.
+
+def write_file(name: str, text: str) -> Callable[[Path], None]:
+    """A `setup` that writes `text` to {tmp}/name."""
+    def setup(tmp: Path) -> None:
+        (tmp / name).write_text(text, encoding="utf-8")
+    return setup
+
+
+def jsonl_file(name: str, rows: list) -> Callable[[Path], None]:
+    return write_file(name, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def asserting(check: Callable[[CaseRun], object] | None) -> Callable[[CaseRun], None] | None:
+    """A check that may return False (not only raise) for a wrong result."""
+    if check is None:
+        return None
+
+    def run_check(run: CaseRun) -> None:
+        assert check(run) is not False, f"the result is not what was asked for (see {run.tmp})"
+    return run_check

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edges import ERROR, WORKS, Case, classify, ids
+from edges import ERROR, WORKS, Case, asserting, classify, ids
 from posttrain.config import parse_args, save_yaml
 from posttrain.outputs import to_json
 
@@ -22,13 +22,6 @@ pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
 WS: list = []  # the session's Workspace, for setups that build from its files and runs
 
 
-def asserting(check):
-    if check is None:
-        return None
-
-    def run_check(run):
-        assert check(run) is not False, f"the result is not what was asked for (see {run.tmp})"
-    return run_check
 
 
 def ws():

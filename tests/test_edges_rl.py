@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edges import ERROR, WORKS, Case, classify, ids
+from edges import ERROR, WORKS, Case, asserting, classify, ids
 
 pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
 
@@ -43,13 +43,6 @@ def ran(algo: str, value_model: bool = False):
     return check
 
 
-def asserting(check):
-    if check is None:
-        return None
-
-    def run_check(run):
-        assert check(run) is not False, f"the result is not what was asked for (see {run.tmp})"
-    return run_check
 
 
 def write(name: str, text: str):

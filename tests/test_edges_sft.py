@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from edges import ERROR, WORKS, Case, classify, ids, run_cli
+from edges import ERROR, WORKS, Case, classify, ids, jsonl_file, run_cli, write_file
 
 pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
 
@@ -42,14 +42,6 @@ def _config(**want):
     return check
 
 
-def _write(name, text):
-    def setup(tmp):
-        (tmp / name).write_text(text, encoding="utf-8")
-    return setup
-
-
-def _jsonl(name, rows):
-    return _write(name, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _conv(*turns, roles=("user", "assistant")):
@@ -113,7 +105,7 @@ CASES = [
          keep=("{copy:sft}/final",)),
     # ------------------------------------------------------------------ sizes at the edges
     # 1 row: no eval split possible; finishes with final/ and says why there is no eval (was: exit 1, TypeError)
-    Case("sft-one-row", _sft("{tmp}/d.jsonl"), WORKS, setup=_jsonl("d.jsonl", ROWS8[:1]),
+    Case("sft-one-row", _sft("{tmp}/d.jsonl"), WORKS, setup=jsonl_file("d.jsonl", ROWS8[:1]),
          check=_summary(eval_samples=0, train_samples=1)),
     Case("sft-eval-fraction-zero", _read("{sft}", "eval_fraction=0"), WORKS, check=_summary(eval_samples=0)),
     Case("sft-max-steps-0", _sft("{sft}", "max_steps=0"), WORKS, check=_summary(steps=0)),
@@ -131,54 +123,54 @@ CASES = [
     # ------------------------------------------------------------------ data oddities
     # an assistant turn first (a greeting): trained like any assistant turn (was: a raw transformers ValueError)
     Case("sft-assistant-first", _sft("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [_conv("Hello! Ask me a sum.", "2 + 2?", "4.", roles=("assistant", "user"))]),
+         setup=jsonl_file("d.jsonl", [_conv("Hello! Ask me a sum.", "2 + 2?", "4.", roles=("assistant", "user"))]),
          check=_trained_on("Hello! Ask me a sum.", "4.")),
     Case("sft-system-first", _sft("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [{"messages": [{"role": "system", "content": "Be brief."},
+         setup=jsonl_file("d.jsonl", [{"messages": [{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": "2 + 2?"},
                                                 {"role": "assistant", "content": "4."}]}]),
          check=_trained_on("4.")),
-    Case("sft-no-assistant-turn", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [_conv("hi")]),
+    Case("sft-no-assistant-turn", _sft("{tmp}/d.jsonl"), ERROR, setup=jsonl_file("d.jsonl", [_conv("hi")]),
          mentions=("d.jsonl:1", "messages", "assistant")),
     Case("sft-unknown-role", _sft("{tmp}/d.jsonl"), ERROR,
-         setup=_jsonl("d.jsonl", [_conv("hi", "hello", roles=("human", "assistant"))]),
+         setup=jsonl_file("d.jsonl", [_conv("hi", "hello", roles=("human", "assistant"))]),
          mentions=("d.jsonl:1", "role", "human")),
-    Case("sft-empty-assistant", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [_conv("hi", "  ")]),
+    Case("sft-empty-assistant", _sft("{tmp}/d.jsonl"), ERROR, setup=jsonl_file("d.jsonl", [_conv("hi", "  ")]),
          mentions=("d.jsonl:1", "content")),
     Case("sft-content-not-string", _sft("{tmp}/d.jsonl"), ERROR,
-         setup=_jsonl("d.jsonl", [*ROWS8[:2], {"messages": [{"role": "user", "content": 3},
+         setup=jsonl_file("d.jsonl", [*ROWS8[:2], {"messages": [{"role": "user", "content": 3},
                                                             {"role": "assistant", "content": "x"}]}]),
          mentions=("d.jsonl:3", "content")),
-    Case("sft-missing-column", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [*ROWS8[:2], {"text2": "x"}]),
+    Case("sft-missing-column", _sft("{tmp}/d.jsonl"), ERROR, setup=jsonl_file("d.jsonl", [*ROWS8[:2], {"text2": "x"}]),
          mentions=("d.jsonl:3", "messages")),
     Case("sft-extra-columns", _read("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [{**r, "id": i, "meta": {"src": "x"}} for i, r in enumerate(ROWS8)]),
+         setup=jsonl_file("d.jsonl", [{**r, "id": i, "meta": {"src": "x"}} for i, r in enumerate(ROWS8)]),
          check=_summary(train_samples=8)),
     Case("sft-unicode", _read("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [_conv("Wie viel ist 2 + 2? 🤔 — «réponds»", "四 (4) ✓ ∑"), *ROWS8[:3]]),
+         setup=jsonl_file("d.jsonl", [_conv("Wie viel ist 2 + 2? 🤔 — «réponds»", "四 (4) ✓ ∑"), *ROWS8[:3]]),
          check=_summary(train_samples=4)),
     Case("sft-long-line-refused", _sft("{tmp}/d.jsonl", "max_length=64"), ERROR,
-         setup=_jsonl("d.jsonl", [_conv("word " * 2000, "ok")]), mentions=("d.jsonl:1", "max_length", "too_long")),
+         setup=jsonl_file("d.jsonl", [_conv("word " * 2000, "ok")]), mentions=("d.jsonl:1", "max_length", "too_long")),
     Case("sft-long-line-dropped", _read("{tmp}/d.jsonl", "max_length=64", "too_long=drop"), WORKS,
-         setup=_jsonl("d.jsonl", [_conv("word " * 2000, "ok"), *ROWS8[:2]]), check=_summary(train_samples=2)),
+         setup=jsonl_file("d.jsonl", [_conv("word " * 2000, "ok"), *ROWS8[:2]]), check=_summary(train_samples=2)),
     Case("sft-prompt-completion", _read("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]),
+         setup=jsonl_file("d.jsonl", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]),
          check=_summary(train_samples=4)),
     Case("sft-text", _read("{tmp}/d.jsonl"), WORKS,
-         setup=_jsonl("d.jsonl", [{"text": f"{i} plus one is {i + 1}."} for i in range(4)]), check=_summary(train_samples=4)),
-    Case("sft-empty-text", _sft("{tmp}/d.jsonl"), ERROR, setup=_jsonl("d.jsonl", [{"text": "a"}, {"text": ""}]),
+         setup=jsonl_file("d.jsonl", [{"text": f"{i} plus one is {i + 1}."} for i in range(4)]), check=_summary(train_samples=4)),
+    Case("sft-empty-text", _sft("{tmp}/d.jsonl"), ERROR, setup=jsonl_file("d.jsonl", [{"text": "a"}, {"text": ""}]),
          mentions=("d.jsonl:2", "text")),
     Case("sft-preference-data", _sft("{pref}"), ERROR, mentions=("pref.jsonl", "messages")),
-    Case("sft-json-array", _read("{tmp}/d.json"), WORKS, setup=_write("d.json", json.dumps(ROWS8[:4])),
+    Case("sft-json-array", _read("{tmp}/d.json"), WORKS, setup=write_file("d.json", json.dumps(ROWS8[:4])),
          check=_summary(train_samples=4)),
-    Case("sft-json-object-not-list", _sft("{tmp}/d.json"), ERROR, setup=_write("d.json", json.dumps(ROWS8[0])),
+    Case("sft-json-object-not-list", _sft("{tmp}/d.json"), ERROR, setup=write_file("d.json", json.dumps(ROWS8[0])),
          mentions=("d.json",)),
-    Case("sft-jsonl-not-objects", _sft("{tmp}/d.jsonl"), ERROR, setup=_write("d.jsonl", "[1, 2]\n"),
+    Case("sft-jsonl-not-objects", _sft("{tmp}/d.jsonl"), ERROR, setup=write_file("d.jsonl", "[1, 2]\n"),
          mentions=("d.jsonl:1", "object")),
     Case("sft-invalid-json-line", _sft("{tmp}/d.jsonl"), ERROR,
-         setup=_write("d.jsonl", json.dumps(ROWS8[0]) + "\n{not json\n"), mentions=("d.jsonl:2", "json")),
+         setup=write_file("d.jsonl", json.dumps(ROWS8[0]) + "\n{not json\n"), mentions=("d.jsonl:2", "json")),
     Case("sft-blank-lines", _read("{tmp}/d.jsonl"), WORKS,
-         setup=_write("d.jsonl", "\n".join(json.dumps(r) for r in ROWS8[:3]) + "\n\n\n"), check=_summary(train_samples=3)),
+         setup=write_file("d.jsonl", "\n".join(json.dumps(r) for r in ROWS8[:3]) + "\n\n\n"), check=_summary(train_samples=3)),
     Case("sft-parquet", _read("{tmp}/d.parquet"), WORKS,
          setup=_parquet("d.parquet", [{"prompt": f"{i} + 1 =", "completion": f" {i + 1}"} for i in range(4)]),
          check=_summary(train_samples=4)),
@@ -186,7 +178,7 @@ CASES = [
          setup=_datasets_folder("ds", [{"text": f"{i} plus one is {i + 1}."} for i in range(4)]),
          check=_summary(train_samples=4)),
     Case("sft-plain-folder", _sft("{tmp}"), ERROR, mentions=("datasets folder",)),
-    Case("sft-csv", _sft("{tmp}/d.csv"), ERROR, setup=_write("d.csv", "a,b\n1,2\n"), mentions=("d.csv", ".jsonl")),
+    Case("sft-csv", _sft("{tmp}/d.csv"), ERROR, setup=write_file("d.csv", "a,b\n1,2\n"), mentions=("d.csv", ".jsonl")),
     Case("sft-task", _read("arithmetic:16"), WORKS, check=_summary(train_samples=16)),
     Case("sft-task-bad-count", _sft("arithmetic:abc"), ERROR, mentions=("arithmetic:abc",)),
     Case("sft-eval-data-missing", [*BASE, "eval_data={tmp}/nope.jsonl"], ERROR, mentions=("nope.jsonl",)),
@@ -197,14 +189,14 @@ CASES = [
          WORKS, check=lambda run: (run.tmp / "2024" / "final").is_dir()),
     Case("sft-str-key-colon", [*BASE, "chat_template=Be brief: x"], ERROR, mentions=("chat_template", "Be brief: x")),
     Case("sft-yaml-number-for-text", ["sft", "--config", "{tmp}/c.yaml", "max_steps=0", *TINY], ERROR,
-         setup=_write("c.yaml", "output_dir: 2024\n"), mentions=("output_dir", "quote")),
-    Case("sft-yaml-non-string-key", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=_write("c.yaml", "1: 2\n"),
+         setup=write_file("c.yaml", "output_dir: 2024\n"), mentions=("output_dir", "quote")),
+    Case("sft-yaml-non-string-key", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=write_file("c.yaml", "1: 2\n"),
          mentions=("c.yaml", "key 1")),
     Case("sft-yaml-nested-non-string-key", ["sft", "--config", "{tmp}/c.yaml"], ERROR,
-         setup=_write("c.yaml", "optim:\n  true: 3\n"), mentions=("c.yaml", "optim")),
-    Case("sft-yaml-not-mapping", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=_write("c.yaml", "- a\n- b\n"),
+         setup=write_file("c.yaml", "optim:\n  true: 3\n"), mentions=("c.yaml", "optim")),
+    Case("sft-yaml-not-mapping", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=write_file("c.yaml", "- a\n- b\n"),
          mentions=("c.yaml", "mapping")),
-    Case("sft-yaml-invalid", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=_write("c.yaml", "a: [1,\n"),
+    Case("sft-yaml-invalid", ["sft", "--config", "{tmp}/c.yaml"], ERROR, setup=write_file("c.yaml", "a: [1,\n"),
          mentions=("c.yaml", "yaml")),
     Case("sft-config-missing", ["sft", "--config", "{tmp}/none.yaml"], ERROR, mentions=("none.yaml",)),
     Case("sft-own-config", ["sft", "--config", "{run:sft}/config.yaml", "output_dir={tmp}/out", "max_steps=1", *TINY],

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from edges import ERROR, FILES, WORKS, Case, classify, ids
+from edges import ERROR, FILES, WORKS, Case, classify, ids, jsonl_file, write_file
 from posttrain.config import parse_args, save_yaml
 
 pytestmark = pytest.mark.usefixtures("no_activation_probe")  # tests/conftest.py
@@ -41,14 +41,6 @@ def _steps(n):
     return check
 
 
-def _write(name, text):
-    def setup(tmp):
-        (tmp / name).write_text(text, encoding="utf-8")
-    return setup
-
-
-def _jsonl(name, rows):
-    return _write(name, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _pairs(n):
@@ -121,7 +113,7 @@ CASES = [
     Case("rm-works", RM, WORKS, check=_final),
     Case("rm-no-data", ["rm", "model=tiny-random", "output_dir={tmp}/out"], ERROR, mentions=("data=", "chosen")),
     Case("rm-empty-data", [*RM[:2], "data={empty}", *RM[3:]], ERROR, mentions=("empty.jsonl",)),
-    Case("rm-one-pair", [*RM[:2], "data={tmp}/one.jsonl", *RM[3:]], WORKS, setup=_jsonl("one.jsonl", _pairs(1)),
+    Case("rm-one-pair", [*RM[:2], "data={tmp}/one.jsonl", *RM[3:]], WORKS, setup=jsonl_file("one.jsonl", _pairs(1)),
          check=_final),
     Case("rm-sft-data", [*RM[:2], "data={sft}", *RM[3:]], ERROR, mentions=("sft.jsonl", "chosen")),
     Case("rm-batch-larger-than-data", [*RM, "batch_size=64"], WORKS, check=_final),
@@ -133,14 +125,14 @@ CASES = [
     Case("rm-lora-unknown-target", [*RM, "lora.enabled=true", "lora.target_modules=qq_proj"], ERROR,
          mentions=("lora.target_modules", "qq_proj")),
     Case("rm-json-array", [*RM[:2], "data={tmp}/pairs.json", *RM[3:-1], "max_steps=0"], WORKS,
-         setup=_write("pairs.json", json.dumps(_pairs(4))), check=_final),
+         setup=write_file("pairs.json", json.dumps(_pairs(4))), check=_final),
     Case("rm-parquet", [*RM[:2], "data={tmp}/pairs.parquet", *RM[3:-1], "max_steps=0"], WORKS, setup=_parquet("pairs.parquet", _pairs(4)),
          check=_final),
     Case("rm-chosen-not-text", [*RM[:2], "data={tmp}/bad.jsonl", *RM[3:]], ERROR,
-         setup=_jsonl("bad.jsonl", [*_pairs(2), {"prompt": "x", "chosen": 3, "rejected": "y"}]),
+         setup=jsonl_file("bad.jsonl", [*_pairs(2), {"prompt": "x", "chosen": 3, "rejected": "y"}]),
          mentions=("bad.jsonl:3", "chosen")),
     Case("rm-unicode", [*RM[:2], "data={tmp}/u.jsonl", *RM[3:-1], "max_steps=0"], WORKS,
-         setup=_jsonl("u.jsonl", [{"prompt": "Combien font 2 + 2 ? 🤔", "chosen": "4 ✓ — quatre", "rejected": "五"}] * 3),
+         setup=jsonl_file("u.jsonl", [{"prompt": "Combien font 2 + 2 ? 🤔", "chosen": "4 ✓ — quatre", "rejected": "五"}] * 3),
          check=_final),
     # ------------------------------------------------------------------ rm probe
     Case("rm-probe-works", PROBE, WORKS, check=lambda run: run.json("probe/probe.json")),
@@ -157,19 +149,19 @@ CASES = [
     Case("dpo-orpo", [*DPO, "loss=orpo"], WORKS, check=_final),
     Case("dpo-simpo", [*DPO, "loss=simpo"], WORKS, check=_final),
     Case("dpo-kto-unpaired", [*DPO[:2], "data={tmp}/kto.jsonl", *DPO[3:], "loss=kto", "batch_size=4"], WORKS,
-         setup=_jsonl("kto.jsonl", _unpaired(6)), check=_final),
+         setup=jsonl_file("kto.jsonl", _unpaired(6)), check=_final),
     Case("dpo-kto-paired", [*DPO, "loss=kto", "batch_size=4"], WORKS, check=_final),
     Case("dpo-kto-batch-1", [*DPO, "loss=kto", "batch_size=1"], ERROR, mentions=("batch_size",)),
     Case("dpo-beta-zero", [*DPO, "beta=0"], ERROR, mentions=("beta",)),
     Case("dpo-beta-inf", [*DPO, "beta=.inf"], ERROR, mentions=("beta", "finite")),
     Case("dpo-loss-args-unknown", [*DPO, "loss_args={gama: 1}"], ERROR, mentions=("gama",)),
-    Case("dpo-one-pair", [*DPO[:2], "data={tmp}/one.jsonl", *DPO[3:]], WORKS, setup=_jsonl("one.jsonl", _pairs(1)),
+    Case("dpo-one-pair", [*DPO[:2], "data={tmp}/one.jsonl", *DPO[3:]], WORKS, setup=jsonl_file("one.jsonl", _pairs(1)),
          check=_final),
     Case("dpo-identical-chosen-rejected", [*DPO[:2], "data={tmp}/same.jsonl", *DPO[3:]], ERROR,
-         setup=_jsonl("same.jsonl", [{"prompt": "p", "chosen": "same", "rejected": "same"}] * 3),
+         setup=jsonl_file("same.jsonl", [{"prompt": "p", "chosen": "same", "rejected": "same"}] * 3),
          mentions=("same.jsonl", "chosen")),
     Case("dpo-missing-rejected", [*DPO[:2], "data={tmp}/m.jsonl", *DPO[3:]], ERROR,
-         setup=_jsonl("m.jsonl", [*_pairs(2), {"prompt": "p", "chosen": "c"}]), mentions=("m.jsonl:3", "rejected")),
+         setup=jsonl_file("m.jsonl", [*_pairs(2), {"prompt": "p", "chosen": "c"}]), mentions=("m.jsonl:3", "rejected")),
     Case("dpo-epochs-and-steps-disagree", [*DPO, "epochs=3"], ERROR, mentions=("epochs", "max_steps")),
     Case("dpo-save-every-above-max-steps", [*DPO, "save_every=50", "eval_every=50"], WORKS, check=_final),
     Case("dpo-modules-to-save-unknown", [*DPO, "lora.enabled=true", "lora.modules_to_save=[foo]"], ERROR,

@@ -23,6 +23,7 @@ from pydantic import Field, field_validator
 from posttrain.config import Config, parse_args
 from posttrain.data.formats import check_not_input, read_rows
 from posttrain.errors import UserError
+from posttrain.eval.memorization import row_texts  # every string of a row, `role` keys skipped
 from posttrain.outputs import check_output_file, write_json
 
 _WORD = re.compile(r"[^\W_]+", re.UNICODE)
@@ -33,15 +34,6 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-def row_texts(value) -> list[str]:
-    """Every string inside a row (nested lists and dicts included), in order; `role` keys skipped."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        return [t for k, v in value.items() if k != "role" for t in row_texts(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in row_texts(v)]
-    return []
 
 
 def _key(gram: list[str] | tuple[str, ...]) -> bytes:

@@ -23,8 +23,8 @@ from posttrain.eval import stats
 
 
 def row_texts(value) -> list[str]:
-    """Every string inside a row (nested lists and dicts), in order; `role` keys skipped (as eval/contamination.py
-    reads rows: that module dispatches here, so it is not imported back)."""
+    """Every string inside a row (nested lists and dicts), in order; `role` keys skipped. eval/contamination.py
+    (the n-gram mode, which dispatches mode=completion here) reads rows with it too."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):

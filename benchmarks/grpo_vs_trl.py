@@ -62,6 +62,7 @@ def posttrain_config(args, out_dir: str):
         "optim": {"lr": LR, "schedule": "linear", "warmup_steps": 0, "warmup_ratio": 0.0, "min_lr_ratio": 0.0,
                   "weight_decay": 0.0, "max_grad_norm": 1.0},
         "samples_per_log": 0, "progress": False,
+        **({"engine": {"dtype": args.engine_dtype}} if args.engine_dtype else {}),
     })
 
 
@@ -107,6 +108,8 @@ def main() -> None:
     p.add_argument("--trl-defaults", action="store_true", help="TRL with its GRPOConfig defaults for everything but the task")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="posttrain's sampler precision (default: the run's, bf16 under --precision bf16)")
     p.add_argument("--out", default="benchmarks/results/grpo_vs_trl.json")
     p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
     p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")

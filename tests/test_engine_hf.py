@@ -324,3 +324,36 @@ def test_bf16_engine_with_fused_kernels_tracks_hf_bf16(name):
             ref = recompute(model, p, s.token_ids, params)
             worst = max(worst, (torch.tensor(s.logprobs) - ref).abs().max().item())
     assert worst < 0.1, worst  # measured 0.024 here; the RoPE position bug it guards against gave 1.8
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2"])
+def test_bf16_compute_over_fp32_weights_is_the_bf16_model(name):
+    """EngineConfig(dtype="bfloat16") over fp32 master weights (mixed-precision RL) draws exactly what the engine
+    draws over the model cast to bf16: the same tokens and log-probs, bit for bit, before and after an optimizer
+    step on the fp32 weights (the bf16 copy is rebuilt at sync_weights)."""
+    import copy
+
+    model = load_model(name).eval()  # fp32
+    params = SamplingParams(n=4, temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True, seed=3)
+    mixed = engine(model, dtype="bfloat16")
+    assert mixed.runner.k_cache.dtype == torch.bfloat16 and mixed.runner.qkv[0].dtype == torch.bfloat16
+
+    def same_as_cast():
+        ref = copy.deepcopy(model)
+        for p in ref.parameters():  # parameters only: like a bf16 load, RoPE's inv_freq buffer stays fp32
+            p.data = p.data.to(torch.bfloat16)
+        cast = engine(ref)
+        reqs = [Request(p, params) for p in PROMPTS]
+        for a, b in zip(mixed.generate(reqs), cast.generate(reqs)):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+            assert [s.logprobs for s in a.samples] == [s.logprobs for s in b.samples]
+            assert [s.kept_counts for s in a.samples] == [s.kept_counts for s in b.samples]
+
+    same_as_cast()
+    with torch.enable_grad():
+        model(torch.tensor([PROMPTS[1]])).logits.pow(2).mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    mixed.sync_weights()
+    same_as_cast()
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the master weights stay fp32
+    assert mixed.memory_bytes() < engine(model).memory_bytes()  # KV and packed copies at half the bytes

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -47,6 +48,7 @@ class EngineConfig(Config):
     seed: int = Field(0, description="seed for requests that give none (drawn in request order)")
     slot_kv: bool = Field(True, description="decode keeps the running sequences' KV in contiguous per-group regions (filled from the paged blocks when a group joins, copied back when a sequence finishes; no per-layer gather of blocks; + about max_num_seqs x longest running context of KV memory); false gathers the paged blocks")
     group_kv: bool = Field(True, description="when every request of a generate() call has the same n and all its samples run at once, keep each group's prompt KV once and attend per group (fewer, larger attention tasks); slots are then handed out per group")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="compute dtype of the engine: auto = the model's weights' dtype; bfloat16 over float32 weights samples from a bf16 cast of them (packed copies, KV cache and activations in bf16: the numbers of the model loaded in bf16), rebuilt at every weight sync")
     pack_weights: bool = Field(True, description="run from a fused (q|k|v, gate|up), transposed copy of the linear weights (one more copy of them in memory), rebuilt when the weights change; false reads the model's weights at every forward")
 
 
@@ -94,14 +96,16 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len, getattr(mcfg, "max_position_embeddings", cfg.max_model_len))
         bs = cfg.block_size
         per_seq_blocks = -(-self.max_model_len // bs)
-        self.kv_block_bytes = Runner.kv_bytes_per_token(model) * bs
+        dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        self.kv_block_bytes = Runner.kv_bytes_per_token(model, dtype) * bs
         num_blocks = min(int(cfg.kv_cache_mb * 2**20 // self.kv_block_bytes), 2 * cfg.max_num_seqs * per_seq_blocks)
         if num_blocks < per_seq_blocks:
             need_mb = per_seq_blocks * self.kv_block_bytes / 2**20
             raise UserError(f"engine.kv_cache_mb={cfg.kv_cache_mb:g} holds {num_blocks * bs} tokens of this model's KV "
                             f"cache, less than one sequence of max_model_len={self.max_model_len}: give "
                             f"engine.kv_cache_mb >= {need_mb:.3g} (or a smaller engine.max_model_len)")
-        self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights, cfg.max_num_seqs if cfg.slot_kv else 0)
+        self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights,
+                             cfg.max_num_seqs if cfg.slot_kv else 0, dtype)
         if is_cpu(self.runner.device):  # host malloc tuning; CUDA tensors use PyTorch's caching allocator instead
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)

@@ -53,13 +53,15 @@ class _Norm:
     "llama" w * cast(h) (fused for bf16 CPU tensors, any leading shape), "gemma" cast(h * (1 + w)),
     "olmo" cast(w * h). Reads the module's live weight."""
 
-    def __init__(self, mod, kind: str):
-        self.mod, self.kind = mod, kind
+    def __init__(self, mod, kind: str, dtype: torch.dtype | None = None):
+        self.mod, self.kind, self.dtype = mod, kind, dtype
         eps = getattr(mod, "variance_epsilon", None)
         self.eps = mod.eps if eps is None else eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.mod.weight
+        if self.dtype is not None and w.dtype != self.dtype:  # fp32 master weights, bf16 compute: as a bf16 model
+            w = w.to(self.dtype)
         if self.kind == "llama":
             if x.dim() == 2:
                 return cpu_kernels.rmsnorm(x, w, self.eps)
@@ -73,10 +75,11 @@ class _Embedding:
     """tokens -> rows of the (effective) embedding weight [* scale cast to its dtype, gemma]. A LoRA'd
     embedding's merged weight is kept by `refresh()` when packing; a plain one is read in place."""
 
-    def __init__(self, mod, scale: float | None, pack: bool):
+    def __init__(self, mod, scale: float | None, pack: bool, dtype: torch.dtype | None = None):
         self.mod, self.pack, self.w, self.lora = mod, pack, None, arch.is_lora(mod)
         w = mod.weight  # (a LoRA embedding's base weight: same device and dtype)
-        self.scale = None if scale is None else torch.tensor(scale).to(device=w.device, dtype=w.dtype)
+        self.dtype = dtype or w.dtype
+        self.scale = None if scale is None else torch.tensor(scale).to(device=w.device, dtype=self.dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -84,7 +87,7 @@ class _Embedding:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         w = self.w if self.w is not None else (effective_weight(self.mod)[0] if self.lora else self.mod.weight)
-        x = F.embedding(tokens, w)
+        x = F.embedding(tokens, w).to(self.dtype)  # rows cast, as from a model loaded in the compute dtype
         return x if self.scale is None else x * self.scale
 
 
@@ -120,8 +123,8 @@ class _Linear:
     `refresh()` (the engine calls it when the weights change). Unpacked: reads the modules' weights
     at every call (no extra memory; a LoRA layer's merged weight is recomputed per call)."""
 
-    def __init__(self, mods, pack: bool, batch_hint: int = 64):
-        self.mods, self.pack, self.batch_hint = mods, pack, batch_hint
+    def __init__(self, mods, pack: bool, batch_hint: int = 64, dtype: torch.dtype | None = None):
+        self.mods, self.pack, self.batch_hint, self.dtype = mods, pack, batch_hint, dtype
         self.lora = [arch.is_lora(m) for m in mods]  # LoRA layers: read merged (arch.effective_weight)
         self.w = self.b = None  # the packed copy: oneDNN blocked (self.onednn) or W^T
         self.onednn = False
@@ -130,7 +133,7 @@ class _Linear:
     def refresh(self) -> None:
         if not self.pack:
             return
-        wb = [effective_weight(m) for m in self.mods]  # LoRA layers: W + scale * B @ A
+        wb = [self._cast(*effective_weight(m)) for m in self.mods]  # LoRA layers: W + scale * B @ A
         ws, bs = [w for w, _ in wb], [b for _, b in wb]
         w = torch.cat(ws) if len(ws) > 1 else ws[0]  # (out, in)
         self.b = None if all(b is None for b in bs) else torch.cat(
@@ -148,10 +151,17 @@ class _Linear:
         if self.pack:
             out = x @ self.w if self.b is None else torch.addmm(self.b, x, self.w)
         else:
-            outs = [F.linear(x, *(effective_weight(m) if lora else (m.weight, getattr(m, "bias", None))))
+            outs = [F.linear(x, *self._cast(*(effective_weight(m) if lora else (m.weight, getattr(m, "bias", None)))))
                     for m, lora in zip(self.mods, self.lora)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         return out if residual is None else out.add_(residual)
+
+
+    def _cast(self, w: torch.Tensor, b: torch.Tensor | None):
+        """(weight, bias) in the compute dtype (a bf16 copy of fp32 master weights: what autocast multiplies)."""
+        if self.dtype is None or w.dtype == self.dtype:
+            return w, b
+        return w.to(self.dtype), None if b is None else b.to(self.dtype)
 
 
 def _onednn_pack(w: torch.Tensor, batch_hint: int):
@@ -176,14 +186,17 @@ def _weight(module):
 
 class Runner:
     def __init__(self, model, num_blocks: int, block_size: int, max_model_len: int, pack_weights: bool = True,
-                 slot_kv_seqs: int = 0):
+                 slot_kv_seqs: int = 0, dtype: torch.dtype | None = None):
         hf = unwrap(model)  # a PEFT model's transformers CausalLM, LoRA layers in place
         self.recipe = r = _recipe(hf, max_model_len)
         cfg = hf.config
         self.model = model
         self.layers = hf.model.layers
         self.embed = hf.model.embed_tokens
-        self.device, self.dtype = self.embed.weight.device, self.embed.weight.dtype
+        # compute dtype: the weights' own, or `dtype` (e.g. bf16 over fp32 master weights: every matrix, norm and
+        # embedding row cast when read or packed, the KV cache and activations in it: the same numbers as the
+        # model cast to that dtype)
+        self.device, self.dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         self._modules(hf, pack_weights, slot_kv_seqs or 64)  # hint: the decode batch size, the shape that matters
         self.refresh_weights()
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -216,11 +229,16 @@ class Runner:
         """Projections (packed; fused qkv_proj / gate_up_proj as they are), norms per the recipe's family."""
         fam = self.recipe.family
 
+        cast = None if self.dtype == self.embed.weight.dtype else self.dtype
+
         def lin(mods):
-            return _Linear(mods, pack, hint)
+            return _Linear(mods, pack, hint, cast)
+
+        def norm(mod):
+            return _Norm(mod, fam.norm, cast)
 
         def norms(name):
-            return [None if name is None else _Norm(getattr(l, name), fam.norm) for l in self.layers]
+            return [None if name is None else norm(getattr(l, name)) for l in self.layers]
 
         attn, mlp = [l.self_attn for l in self.layers], [l.mlp for l in self.layers]
         if fam.fused:
@@ -230,12 +248,12 @@ class Runner:
             self.gate_up = [lin([m.gate_proj, m.up_proj]) for m in mlp]
         self.o, self.down = [lin([a.o_proj]) for a in attn], [lin([m.down_proj]) for m in mlp]
         self.lm_head = lin([hf.lm_head])
-        self.embedding = _Embedding(self.embed, self.recipe.embed_scale, pack)
+        self.embedding = _Embedding(self.embed, self.recipe.embed_scale, pack, cast)
         self.attn_in, self.attn_out = norms(fam.attn_in), norms(fam.attn_out)
         self.mlp_in, self.mlp_out = norms(fam.mlp_in), norms(fam.mlp_out)
-        self.norm = _Norm(hf.model.norm, fam.norm)
-        self.q_norm = [_Norm(a.q_norm, fam.norm) for a in attn] if fam.qk_norm else None
-        self.k_norm = [_Norm(a.k_norm, fam.norm) for a in attn] if fam.qk_norm else None
+        self.norm = norm(hf.model.norm)
+        self.q_norm = [norm(a.q_norm) for a in attn] if fam.qk_norm else None
+        self.k_norm = [norm(a.k_norm) for a in attn] if fam.qk_norm else None
         self.act = self.recipe.act
 
     def _rope_table(self, rope: arch.Rope, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,7 +321,7 @@ class Runner:
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
         kv = self.k_cache.numel() * self.k_cache.element_size() * 2
-        packed = sum(_weight(m).numel() * _weight(m).element_size() for lin in (*self.qkv, *self.o, *self.gate_up, *self.down,
+        packed = sum(_weight(m).numel() * self.dtype.itemsize for lin in (*self.qkv, *self.o, *self.gate_up, *self.down,
                                                                              self.lm_head) if lin.pack for m in lin.mods)
         return kv + packed
 

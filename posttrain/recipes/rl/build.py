@@ -153,12 +153,21 @@ def make_engine(cfg: RLConfig, model: torch.nn.Module, tok):
     """The built-in engine over `model`'s weights (max_num_seqs B × G unless set); with the producer
     pipeline the rollout worker samples on its own copy and this engine serves evaluation only."""
     engine_cfg = cfg.engine.model_copy(update={
-        k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed}.items()
+        k: v for k, v in {"max_num_seqs": min(256, cfg.prompts_per_step * cfg.group_size), "seed": cfg.seed,
+                          "dtype": sampler_dtype(cfg, model)}.items()
         if k not in cfg.engine.model_fields_set})
     if cfg.systems.pipelined:
         return async_rl.TrainerEngine(model, tok, engine_cfg, cfg)
     return build_backend(cfg.backend, model, tok, engine_cfg, model_name=cfg.model, dtype=cfg.dtype,
                          echo=print if cfg.backend == "auto" else None)
+
+
+def sampler_dtype(cfg: RLConfig, model: torch.nn.Module) -> str:
+    """The built-in engine computes in the trainer's precision: under mixed_precision=bf16 a bf16 cast of the
+    fp32 master weights (what autocast multiplies; TRL's generate runs under the same autocast), at half the
+    bytes per decode step; otherwise the weights' own dtype. `engine.dtype=float32` keeps an fp32 sampler."""
+    fp32 = next(model.parameters()).dtype == torch.float32
+    return "bfloat16" if cfg.mixed_precision == "bf16" and fp32 else "auto"
 
 
 def refusals_under_torchrun(cfg: RLConfig) -> list[tuple[bool, str]]:

@@ -326,7 +326,8 @@ def test_bf16_engine_with_fused_kernels_tracks_hf_bf16(name):
     assert worst < 0.1, worst  # measured 0.024 here; the RoPE position bug it guards against gave 1.8
 
 
-@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen2", "tiny-random-qwen3", "tiny-random-gemma2",
+                                  "tiny-random-olmo2"])  # + per-head / full q,k norms, gemma's norm and embed scale
 def test_bf16_compute_over_fp32_weights_is_the_bf16_model(name):
     """EngineConfig(dtype="bfloat16") over fp32 master weights (mixed-precision RL) draws exactly what the engine
     draws over the model cast to bf16: the same tokens and log-probs, bit for bit, before and after an optimizer

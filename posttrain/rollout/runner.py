@@ -51,17 +51,20 @@ def _recipe(hf, max_model_len: int | None) -> arch.Recipe:
 class _Norm:
     """An HF RMSNorm module's forward, h = x * rsqrt(mean(x^2) + eps) in float32, then by family kind:
     "llama" w * cast(h) (fused for bf16 CPU tensors, any leading shape), "gemma" cast(h * (1 + w)),
-    "olmo" cast(w * h). Reads the module's live weight."""
+    "olmo" cast(w * h). Reads the module's live weight (in another compute dtype: its cast, kept by `refresh()`)."""
 
     def __init__(self, mod, kind: str, dtype: torch.dtype | None = None):
-        self.mod, self.kind, self.dtype = mod, kind, dtype
+        self.mod, self.kind, self.dtype, self.w = mod, kind, dtype, None
         eps = getattr(mod, "variance_epsilon", None)
         self.eps = mod.eps if eps is None else eps
 
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Another compute dtype (fp32 master weights, bf16 compute): the weight cast once per weight change."""
+        self.w = None if self.dtype is None else self.mod.weight.to(self.dtype)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.mod.weight
-        if self.dtype is not None and w.dtype != self.dtype:  # fp32 master weights, bf16 compute: as a bf16 model
-            w = w.to(self.dtype)
+        w = self.mod.weight if self.w is None else self.w
         if self.kind == "llama":
             if x.dim() == 2:
                 return cpu_kernels.rmsnorm(x, w, self.eps)
@@ -155,7 +158,6 @@ class _Linear:
                     for m, lora in zip(self.mods, self.lora)]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         return out if residual is None else out.add_(residual)
-
 
     def _cast(self, w: torch.Tensor, b: torch.Tensor | None):
         """(weight, bias) in the compute dtype (a bf16 copy of fp32 master weights: what autocast multiplies)."""
@@ -314,9 +316,12 @@ class Runner:
         self.v_cache[:, dst] = self.v_slot[:, gs, :, off].transpose(1, 2)
 
     def refresh_weights(self) -> None:
-        """Rebuild the packed weight copies (LoRA layers merged) from the model's current weights."""
-        for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, self.embedding):
-            lin.refresh()
+        """Rebuild the packed weight copies (LoRA layers merged) and cast norm weights from the model's current weights."""
+        norms = (*self.attn_in, *self.attn_out, *self.mlp_in, *self.mlp_out, self.norm, *(self.q_norm or ()),
+                 *(self.k_norm or ()))
+        for part in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, self.embedding, *norms):
+            if part is not None:  # a family without that norm
+                part.refresh()
 
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""

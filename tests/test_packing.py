@@ -131,8 +131,30 @@ def test_bucket_plan_covers_every_token_once_and_bounds_padding():
 
     lengths = (5, 100, 3, 80, 77, 1, 64, 30)
     buckets, inverse = _plan((tuple((L, ()) for L in lengths),), sum(lengths))
-    kept = torch.cat([idx.view(n, Lb).reshape(-1)[keep] for idx, n, Lb, keep in buckets])
+    kept = torch.cat([b.q_idx[b.keep] for b in buckets])
     assert torch.equal(kept[inverse], torch.arange(sum(lengths)))  # each token exactly once, back in order
-    for _idx, n, Lb, keep in buckets:
-        assert keep.numel() >= n * Lb * 0.75 ** 2 * 0.5  # padding bounded (ratio 0.75 per segment)
+    for b in buckets:
+        assert b.mask is None and b.q_idx is b.kv_idx and b.Lq == b.Lk
+        assert b.keep.numel() >= b.n * b.Lk * 0.75 ** 2 * 0.5  # padding bounded (ratio 0.75 per segment)
     assert len(buckets) < len(lengths)
+
+
+def test_shared_prefix_plan_computes_each_query_once():
+    """A group [prompt P][C_1]...[C_G]: the prompt's queries once, each continuation's C_i queries over its
+    P + C_i keys (never the prompt's queries again), the mask causal from the continuation's offset."""
+    from posttrain.ops.attention import _plan
+
+    layout = (((6, (3, 5, 1)), (4, (2, 2))), ((9, ()), (2, (12,))))  # two rows of T = 23: groups, a plain sample
+    T = 23
+    buckets, inverse = _plan(layout, T)
+    kept = torch.cat([b.q_idx[b.keep] for b in buckets])
+    assert torch.equal(kept[inverse], torch.arange(2 * T))
+    queries = sum(b.n * b.Lq for b in buckets)
+    assert queries < 2 * T + 2 * 10  # padding only: no prompt query repeated per continuation
+    for b in (b for b in buckets if b.mask is not None):
+        q = b.q_idx.view(b.n, b.Lq)
+        k = b.kv_idx.view(b.n, b.Lk)
+        for r in range(b.n):  # query i sees exactly the keys up to its own token (flat indices grow with position)
+            for i in range(b.Lq):
+                seen = k[r][b.mask[r, 0, i]]
+                assert seen.max() == q[r, i] and torch.equal(seen, k[r][: seen.numel()])  # prefix + own tokens so far

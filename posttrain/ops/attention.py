@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -106,12 +107,13 @@ def varlen_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
         return attend(query, key, value).transpose(1, 2).contiguous().to(out_dtype), None
     B, Hq, T, D = query.shape
     flat = [x.transpose(1, 2).reshape(B * T, x.shape[1], D) for x in (query, key, value)]  # token-major (B*T, H, D)
-    buckets, inverse = _plan(tuple(layout), T, query.device)
+    buckets, inverse = _plan(tuple(layout), T, query.device, window=sliding_window)
     outs = []
-    for idx, n, Lb, keep in buckets:
-        q, k, v = (x.index_select(0, idx).view(n, Lb, x.shape[1], D).transpose(1, 2) for x in flat)
-        o = attend(q, k, v).transpose(1, 2).reshape(n * Lb, Hq, D)
-        outs.append(o.index_select(0, keep))  # drop padding rows and the repeated prefix rows
+    for b in buckets:
+        q = flat[0].index_select(0, b.q_idx).view(b.n, b.Lq, Hq, D).transpose(1, 2)
+        k, v = (x.index_select(0, b.kv_idx).view(b.n, b.Lk, x.shape[1], D).transpose(1, 2) for x in flat[1:])
+        o = attend(q, k, v, mask=b.mask).transpose(1, 2).reshape(b.n * b.Lq, Hq, D)
+        outs.append(o.index_select(0, b.keep))  # drop the padding rows
     out = torch.cat(outs).index_select(0, inverse)  # back to token order (B*T, Hq, D)
     return out.view(B, T, Hq, D).to(out_dtype), None
 
@@ -124,11 +126,12 @@ Layout = tuple  # tuple over rows of tuple of (P, tuple[int, ...])
 
 
 def _virtual_segments(layout: Layout, T: int) -> list[tuple[list[int], int]]:
-    """Every attention task as (token indices into the flat (B*T) order, outputs kept from offset).
+    """Every attention task as (token indices into the flat (B*T) order, index of its first query).
 
-    A prefix is one causal segment (all outputs kept). Continuation i becomes the causal segment
-    prefix + C_i whose first P outputs are dropped: its queries see the prefix's keys, which are
-    gathered again (in backward their gradients add up over the continuations)."""
+    A prefix is one causal segment (every token a query, from 0). Continuation i is the keys
+    prefix + C_i with only its own C_i tokens as queries (from P): they see the prefix's keys, which are
+    gathered again for each continuation (in backward their gradients add up over the continuations);
+    the prefix's queries are never computed twice."""
     segs = []
     for b, row in enumerate(layout):
         start = b * T
@@ -142,6 +145,21 @@ def _virtual_segments(layout: Layout, T: int) -> list[tuple[list[int], int]]:
         if start != (b + 1) * T:
             raise ValueError(f"layout of row {b} covers {start - b * T} of {T} positions")
     return segs
+
+
+class Bucket(NamedTuple):
+    """A padded batch of n attention tasks: queries q_idx (n*Lq,) and keys/values kv_idx (n*Lk,) as indices
+    into the flat token order; `mask` (n, 1, Lq, Lk) bool (True = attend) for tasks whose queries start
+    after key 0 (continuations), None for plain causal tasks (Lq = Lk, q_idx is kv_idx); `keep` (m,) the
+    real rows of the (n*Lq) outputs."""
+
+    q_idx: torch.Tensor
+    kv_idx: torch.Tensor
+    n: int
+    Lq: int
+    Lk: int
+    mask: torch.Tensor | None
+    keep: torch.Tensor
 
 
 def attention_dtypes(device: torch.device, *dtypes: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
@@ -161,50 +179,72 @@ def attention_dtypes(device: torch.device, *dtypes: torch.dtype) -> tuple[torch.
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(layout: Layout, T: int, device: torch.device = torch.device("cpu"), ratio: float = 0.75):
-    """Group the attention tasks of all rows into padded batches of similar length.
+def _plan(layout: Layout, T: int, device: torch.device = torch.device("cpu"), ratio: float = 0.75,
+          window: int | None = None):
+    """Group the attention tasks of all rows into padded batches of similar size -> (buckets, inverse).
 
-    Longest first; a bucket takes tasks down to `ratio` x its longest, so a task's padded attention
-    work stays within 1/ratio^2 of its real work. Per bucket: idx (n*Lb,) the token behind each padded
-    position (padding repeats the task's last token: it sits after every real query of the task, so
-    causal attention never shows it to a real query, and its own outputs are dropped), n, Lb, keep
-    (m,) the rows of the (n*Lb) output that are kept. `inverse` puts the concatenated kept rows back in
-    token order. Cached: every layer of a forward asks for the same plan.
+    Plain causal tasks (queries from key 0) and continuations (queries from P) go to separate buckets,
+    each sorted longest first; a bucket takes tasks down to `ratio` x its longest, so a task's padded work
+    stays within 1/ratio^2 of its real work. Padding repeats a task's last key and last query: the
+    repeated key sits after every real query, so no real query sees it (causal), and the repeated
+    query's outputs are dropped. `window`: the sliding window folded into a continuation's mask
+    (plain causal buckets get it from `causal_attention`). `inverse` puts the concatenated kept rows
+    back in token order. Cached: every layer of a forward asks for the same plan.
     """
     segs = _virtual_segments(layout, T)
-    by_len = sorted(range(len(segs)), key=lambda i: -len(segs[i][0]))
     buckets, dest = [], []
-    i = 0
-    while i < len(by_len):
-        Lb = len(segs[by_len[i]][0])
-        j = i
-        while j < len(by_len) and len(segs[by_len[j]][0]) >= ratio * Lb:
-            j += 1
-        idx, keep = [], []
-        for r, m in enumerate(by_len[i:j]):
-            tokens, skip = segs[m]
-            idx += tokens + [tokens[-1]] * (Lb - len(tokens))
-            keep += range(r * Lb + skip, r * Lb + len(tokens))
-            dest += tokens[skip:]
-        buckets.append((torch.tensor(idx, device=device), j - i, Lb, torch.tensor(keep, device=device)))
-        i = j
+    for continuation in (False, True):
+        tasks = sorted((s for s in segs if bool(s[1]) == continuation), key=lambda s: -len(s[0]))
+        i = 0
+        while i < len(tasks):
+            j = i
+            while j < len(tasks) and len(tasks[j][0]) >= ratio * len(tasks[i][0]):
+                j += 1
+            buckets.append(_bucket(tasks[i:j], device, continuation, window))
+            dest += [t for tokens, skip in tasks[i:j] for t in tokens[skip:]]
+            i = j
     return buckets, torch.argsort(torch.tensor(dest)).to(device)
 
 
-def causal_attention(q, k, v, dropout=0.0, scaling=None, window=None, softcap=None, sinks=None) -> torch.Tensor:
-    """Causal attention of tasks that start at index 0: q (n, Hq, L, D), k/v (n, Hkv, L, D) -> (n, Hq, L, D).
+def _bucket(tasks: list[tuple[list[int], int]], device, continuation: bool, window: int | None) -> Bucket:
+    """One padded batch of tasks (token indices, first query); see `_plan`."""
+    n, Lk = len(tasks), len(tasks[0][0])
+    Lq = max(len(tokens) - skip for tokens, skip in tasks)
+    kv, q, keep, qpos = [], [], [], []
+    for r, (tokens, skip) in enumerate(tasks):
+        queries = tokens[skip:]
+        kv += tokens + [tokens[-1]] * (Lk - len(tokens))
+        q += queries + [queries[-1]] * (Lq - len(queries))
+        keep += range(r * Lq, r * Lq + len(queries))
+        qpos.append([skip + min(i, len(queries) - 1) for i in range(Lq)])  # key position of each query row
+    kv_idx = torch.tensor(kv, device=device)
+    if not continuation:
+        return Bucket(kv_idx, kv_idx, n, Lk, Lk, None, torch.tensor(keep, device=device))
+    qp = torch.tensor(qpos, device=device)[:, None, :, None]  # (n, 1, Lq, 1)
+    kj = torch.arange(Lk, device=device)[None, None, None, :]
+    mask = (kj <= qp) & (qp - kj < window) if window is not None else kj <= qp
+    return Bucket(torch.tensor(q, device=device), kv_idx, n, Lq, Lk, mask, torch.tensor(keep, device=device))
 
-    SDPA (causal flag, or the sliding-window band as a boolean mask) unless the layer soft-caps its
+
+def causal_attention(q, k, v, dropout=0.0, scaling=None, window=None, softcap=None, sinks=None,
+                     mask=None) -> torch.Tensor:
+    """Causal attention of tasks that start at index 0: q (n, Hq, L, D), k/v (n, Hkv, L, D) -> (n, Hq, L, D);
+    or, with `mask` (n, 1, Lq, Lk) bool (True = attend; the window already in it), queries q (n, Hq, Lq, D)
+    over keys k/v (n, Hkv, Lk, D) as the mask says.
+
+    SDPA (causal flag, the sliding-window band or the mask as a boolean mask) unless the layer soft-caps its
     scores or has sinks: then `explicit_attention`. Autocast is off: it would cast fp32 inputs back to bf16."""
     gqa = q.shape[1] != k.shape[1]
     with torch.autocast(q.device.type, enabled=False):
         if softcap is not None or sinks is not None:
-            return explicit_attention(q, k, v, scaling, softcap=softcap, sinks=sinks, window=window, dropout=dropout)
+            return explicit_attention(q, k, v, scaling, softcap=softcap, sinks=sinks, window=window, mask=mask,
+                                      dropout=dropout)
         L = q.shape[2]
-        if window is None or window >= L:
+        if mask is None and (window is None or window >= L):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(L, L, window, q.device), scale=scaling,
-                                              dropout_p=dropout, enable_gqa=gqa)
+        if mask is None:
+            mask = band_mask(L, L, window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa)
 
 
 def band_mask(Lq: int, Lk: int, window: int | None, device, first: int = 0, key_first: int = 0) -> torch.Tensor:

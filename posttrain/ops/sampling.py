@@ -140,7 +140,9 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         x = logits if rows is None else logits[rows]
         t = temperature if rows is None else temperature[rows]
         if bool((t == 1).all()):  # y = z - max z in float32 (the logits are never modified)
-            y = x - x.amax(-1, keepdim=True).float()
+            # a float32 copy, then an in-place subtract: bf16 - float32 in one op takes a slow mixed-dtype
+            # path (11 ms vs 0.7 ms at (64, 49152) on 2 cores), with the same values
+            y = x.to(torch.float32, copy=True).sub_(x.amax(-1, keepdim=True).float())
         else:
             y = x.float() / t.unsqueeze(-1)
             y.sub_(y.amax(-1, keepdim=True))

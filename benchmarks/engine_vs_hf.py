@@ -9,7 +9,10 @@ prompts × samples × new_tokens tokens. HF runs one padded batch with num_retur
 (its fastest usage); the engine gets one request per prompt with n=samples. Each side is timed
 `repeats` times after a warm-up, alternating, and the best time is kept (the machine is shared).
 Decode FLOPs = 2·(linear params incl. lm_head)·tokens + 4·layers·heads·head_dim·context per token;
-the peak is the best 2048³ matmul in the same dtype, in this process, with the same thread count. Prefill is
+the peak is the best 2048³ matmul in the same dtype, in this process, with the same thread count. The ceiling
+at the decode shape: the engine's own packed linears alone (every layer's q|k|v, o, gate|up, down, then the
+lm_head, on random rows of the decode batch, weights streamed from memory as in a step), timed in the same run:
+what a decode step would take with nothing but its matmuls. Prefill is
 reported the same way (each prompt once), and decode's memory side: the bytes a step must read at least
 (every weight once, each sample's KV over its context) per second, against a large copy's bandwidth.
 Writes benchmarks/results/engine_vs_hf.json.
@@ -138,6 +141,7 @@ def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64
         if en_t[-1] == min(en_t):
             en_metrics = engine.metrics()
     peak = matmul_peak(next(model.parameters()).dtype, device=device)
+    linears_s, linear_flops = linears_alone(engine.runner, prompts * samples)
     flops = decode_flops(model, lens, samples, new_tokens)
     bandwidth = copy_bandwidth(device)
     traffic = decode_bytes(model, lens, samples, new_tokens)
@@ -151,9 +155,37 @@ def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64
         "matmul_peak_gflops": peak / 1e9, "decode_gflops": flops / en_metrics["decode_s"] / 1e9,
         "decode_flops_over_peak": flops / en_metrics["decode_s"] / peak,
         "prefill_gflops": pre / en_metrics["prefill_s"] / 1e9, "prefill_flops_over_peak": pre / en_metrics["prefill_s"] / peak,
+        "decode_step_ms": en_metrics["decode_s"] / en_metrics["decode_steps"] * 1e3,
+        "linears_alone_ms": linears_s * 1e3, "linears_alone_gflops": linear_flops / linears_s / 1e9,
+        "linears_alone_over_peak": linear_flops / linears_s / peak,
         "copy_bandwidth_gbs": bandwidth / 1e9, "decode_min_gbs": traffic / en_metrics["decode_s"] / 1e9,
         "decode_bytes_over_bandwidth": traffic / en_metrics["decode_s"] / bandwidth,
     }
+
+
+@torch.inference_mode()
+def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
+    """(seconds, FLOPs) of one decode step's linears alone: the runner's packed q|k|v, o (+ residual), gate|up,
+    down (+ residual) of every layer in order, then the lm_head, on `rows` random rows; best of `reps`."""
+    H = runner.embed.weight.shape[1]
+    x = torch.randn(rows, H, dtype=runner.dtype, device=runner.device)
+    inner = runner.gate_up[0](x).shape[1] // 2
+    a_o = torch.randn(rows, runner.n_heads * runner.head_dim, dtype=runner.dtype, device=runner.device)
+    a_d = torch.randn(rows, inner, dtype=runner.dtype, device=runner.device)
+
+    def step():
+        for i in range(len(runner.layers)):
+            runner.qkv[i](x)
+            runner.o[i](a_o, residual=x)
+            runner.gate_up[i](x)
+            runner.down[i](a_d, residual=x)
+        runner.lm_head(x)
+
+    step()
+    best = min(_timed(step, runner.device) for _ in range(reps))
+    outs = runner.qkv[0](x).shape[1] * H + H * a_o.shape[1] + 2 * inner * H + H * inner  # per layer
+    flops = 2 * rows * (len(runner.layers) * outs + runner.lm_head(x).shape[1] * H)
+    return best, flops
 
 
 def copy_bandwidth(device, mib: int = 256, reps: int = 5) -> float:
@@ -173,6 +205,8 @@ def report(result: dict, dtype: str) -> None:
     print(f"speedup         : {r['speedup']:.2f}x")
     print(f"prefill         : {r['prefill_gflops']:.1f} GFLOP/s achieved / {r['matmul_peak_gflops']:.1f} GFLOP/s {dtype} matmul peak = {r['prefill_flops_over_peak']:.1%}")
     print(f"decode          : {r['decode_gflops']:.1f} GFLOP/s achieved / {r['matmul_peak_gflops']:.1f} GFLOP/s {dtype} matmul peak = {r['decode_flops_over_peak']:.1%}")
+    print(f"decode ceiling  : the linears alone {r['linears_alone_ms']:.1f} ms/step = {r['linears_alone_gflops']:.1f} GFLOP/s = "
+          f"{r['linears_alone_over_peak']:.1%} of peak; the whole decode step {r['decode_step_ms']:.1f} ms")
     print(f"decode memory   : >= {r['decode_min_gbs']:.1f} GB/s of weights + KV read / {r['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth = {r['decode_bytes_over_bandwidth']:.1%}")
     print(f"engine metrics  : {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})}")
 

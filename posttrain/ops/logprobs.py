@@ -103,6 +103,29 @@ def _row_forward(h, weight, bias, targets, hm: HeadMap, cols: int, want_entropy:
     return zt - lse, lse, (lse - t / s if want_entropy else None)
 
 
+def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
+    """z (N, V) logits -> (logp (N,), lse (N,), entropy (N,) | None), z overwritten by softmax(z).
+
+    Chunks of `rows` rows, in place: their temporaries (a few MB) come back from the heap, where one
+    (N, V) temporary per operation (logsumexp, z - lse, exp, p·z: ~100 MB each at N = 490, V = 49152)
+    would be a fresh mapping, page-faulted anew at every call. H = −Σ p·log p."""
+    n = z.shape[0]
+    logp, lse = z.new_empty(n), z.new_empty(n)
+    entropy = z.new_empty(n) if want_entropy else None
+    for r0 in range(0, n, rows):
+        zc, r1 = z[r0 : r0 + rows], min(n, r0 + rows)
+        lse[r0:r1] = torch.logsumexp(zc, -1)
+        zc.sub_(lse[r0:r1, None])  # log p
+        logp[r0:r1] = zc.gather(1, targets[r0:r1, None]).squeeze(1)
+        if want_entropy:
+            p = zc.exp()
+            entropy[r0:r1] = (p * zc).sum(-1).neg_()
+            zc.copy_(p)
+        else:
+            zc.exp_()
+    return logp, lse, entropy
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, hm, chunk, want_entropy):
@@ -114,11 +137,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         keep = n <= rows and n <= 2 * H and n * V <= KEEP_MAX  # softmax no larger than W and its gradient: keep it
         if keep:
             z, slope = _tile(hidden, weight, bias, 0, V, hm, slope=True)
-            lse = torch.logsumexp(z, -1)
-            logp = z.gather(1, targets[:, None]).squeeze(1) - lse
-            probs = torch.exp(z - lse[:, None])
-            entropy = lse - (probs * z).sum(-1) if want_entropy else None
-            ctx.kept = (probs, slope)  # used once by the backward, then freed
+            logp, lse, entropy = _softmax_in_place(z, targets, want_entropy)
+            ctx.kept = (z, slope)  # z now holds the softmax; used once by the backward, then freed
         else:
             parts = [_row_forward(hidden[s : s + rows], weight, bias, targets[s : s + rows], hm, cols, want_entropy)
                      for s in range(0, n, rows)]

@@ -18,6 +18,7 @@ from posttrain.errors import UserError
 from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, TINY_TOKENIZER, build_tiny, real_model_dir
 from posttrain.models.device import resolve_device
 from posttrain.ops.attention import install
+from posttrain.ops.host_memory import keep_freed_memory
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -151,11 +152,14 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     is where the model is moved. `varlen_attention` switches attention to posttrain's per-sample
     SDPA for packed training rows (ops/attention.py) on every device: on CUDA its causal per-bucket
     SDPA calls run the flash / memory-efficient kernels, which a block-diagonal mask would rule out.
-    Generation and any other call still use the stock SDPA path.
+    Generation and any other call still use the stock SDPA path. A model on the CPU keeps freed host memory
+    in the process (ops/host_memory.py): a training step's large temporaries reuse heap pages.
     """
     model = _build(resolve(name), name, to_dtype(dtype), seed)
     if device is not None:
         model = model.to(resolve_device(device))
+    if next(model.parameters()).device.type == "cpu":
+        keep_freed_memory()
     if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
         model.set_attn_implementation(install())
     return model

@@ -1,18 +1,23 @@
 """Keep freed host memory in the process instead of handing it back to the OS every time.
 
 PyTorch's CPU allocator is plain malloc. glibc serves blocks above its mmap threshold (128 KiB, raised
-dynamically up to 32 MiB) with a fresh mmap and unmaps them on free, and it trims the top of the heap
-once more than a threshold is free. A decode step allocates tensors of 0.4-13 MB (activations, the
-(batch, vocab) logits and their float32 copies) and frees them again, so every step faults in
-thousands of fresh zeroed pages: on the 2-core CI machine sampling from (64, 49152) logits took
-13.7 ms with the defaults and 3.4 ms with the thresholds below (benchmarks/engine_vs_hf.py measures
-the effect on a whole run).
+dynamically up to 32 MiB, its largest allowed value) with a fresh mmap and unmaps them on free, and it
+trims the top of the heap once more than a threshold is free. Every such block is faulted in anew,
+page by page, at each use: a decode step allocates tensors of 0.4-13 MB (activations, the (batch, vocab)
+logits and their float32 copies), a training step on SmolLM2 several of ~100 MB (the (tokens, vocab)
+softmax of the head, the tied embedding's gradient). Measured on the 2-core CI machine: sampling from
+(64, 49152) logits 13.7 ms with the defaults, 3.4 ms with the mmap threshold raised
+(benchmarks/engine_vs_hf.py); a fresh 96 MB subtraction 31 ms with mmap, 6.5 ms from the heap; the
+GRPO benchmark's update ~12% faster with mmap off (benchmarks/grpo_vs_trl.py).
 
-`keep_freed_memory()` raises both thresholds once per process (mallopt), so freed blocks are reused
-from the heap. The price: the process keeps its peak heap instead of returning it to the OS, as
-PyTorch's CUDA caching allocator does on GPU. It is process-wide; it does nothing off glibc (macOS,
-musl) or when POSTTRAIN_KEEP_FREED_MEMORY=0. The engine calls it only when its model is on the CPU
-(CUDA tensors never come from malloc).
+`keep_freed_memory()` sets, once per process (mallopt): the mmap threshold to its maximum, mmap off for
+the main heap (M_MMAP_MAX = 0: every block comes from the heap, so a freed 100 MB block is reused
+instead of unmapped; glibc still maps memory where the heap cannot grow, and for threads' arenas), and
+the trim threshold to 1 GiB. The price: the process keeps its peak heap instead of returning it to the
+OS, as PyTorch's CUDA caching allocator does on GPU. It is process-wide; it does nothing off glibc
+(macOS, musl) or when POSTTRAIN_KEEP_FREED_MEMORY=0. Called when a model is loaded on the CPU
+(`models.loading.load_model`) and by the engine when its model is on the CPU (CUDA tensors never come
+from malloc).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import ctypes
 import ctypes.util
 import os
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # glibc malloc.h
 MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit: blocks up to 32 MiB come from the heap
 TRIM_THRESHOLD = 1 << 30  # keep up to 1 GiB of free heap top instead of trimming it
 _done: bool | None = None
@@ -42,6 +47,7 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _done = _done and bool(mallopt(_M_MMAP_MAX, 0))
     return _done
 
 

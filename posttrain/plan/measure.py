@@ -39,6 +39,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from posttrain.ops.host_memory import release_freed_memory
 from posttrain.outputs import write_json
 
 
@@ -70,7 +71,10 @@ def peak_rss_bytes() -> int:
 
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux ≥ 4.0: write 5 to /proc/self/clear_refs), so a peak measured
-    afterwards belongs to this run, not to whatever the process did before. False where unsupported."""
+    afterwards belongs to this run, not to whatever the process did before. The heap's free pages go back to
+    the OS first (the process keeps freed memory, ops/host_memory.py): a run that reused them would not show
+    them in its peak. False where unsupported."""
+    release_freed_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

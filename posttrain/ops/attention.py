@@ -8,7 +8,12 @@ calls per layer instead of one per sample, and no cross-sample scores. Segments 
 (a new segment wherever position 0 appears), which is exactly how our collate lays out both packed
 and right-padded rows, so the result equals the masked computation (tested).
 
-Every attention task starts at index 0 of its bucket row, so what a layer adds to plain causal
+A shared-prefix layout (a group's prompt once, then its completions, each seeing the prompt and itself)
+has two kinds of tasks: the prompt, plain causal; and each completion, whose C queries attend over the
+prompt's keys and its own (P + C keys, gathered per completion), with a boolean mask from the query's
+offset; the prompt's queries are never recomputed per completion (`_plan`, `Bucket`).
+
+Every task's keys start at index 0 of its bucket row, so what a layer adds to plain causal
 attention is computed per task, exactly as transformers does it for one sequence:
 - `sliding_window` W (Mistral, Gemma 2/3 local layers, Qwen2 with use_sliding_window): key j is
   visible to query i iff j <= i and i - j < W (transformers' masking_utils.sliding_window_overlay),

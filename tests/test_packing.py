@@ -150,6 +150,8 @@ def test_shared_prefix_plan_computes_each_query_once():
     kept = torch.cat([b.q_idx[b.keep] for b in buckets])
     assert torch.equal(kept[inverse], torch.arange(2 * T))
     queries = sum(b.n * b.Lq for b in buckets)
+    empty = _plan((((5, (3, 0, 2)),),), 10)[0]  # an empty continuation: no task, nothing else changes
+    assert sum(int(b.keep.numel()) for b in empty) == 10
     assert queries < 2 * T + 2 * 10  # padding only: no prompt query repeated per continuation
     for b in (b for b in buckets if b.mask is not None):
         q = b.q_idx.view(b.n, b.Lq)

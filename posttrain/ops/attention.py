@@ -196,7 +196,7 @@ def _plan(layout: Layout, T: int, device: torch.device = torch.device("cpu"), ra
     (plain causal buckets get it from `causal_attention`). `inverse` puts the concatenated kept rows
     back in token order. Cached: every layer of a forward asks for the same plan.
     """
-    segs = _virtual_segments(layout, T)
+    segs = [s for s in _virtual_segments(layout, T) if len(s[0]) > s[1]]  # an empty continuation has no query
     buckets, dest = [], []
     for continuation in (False, True):
         tasks = sorted((s for s in segs if bool(s[1]) == continuation), key=lambda s: -len(s[0]))

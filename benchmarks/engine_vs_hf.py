@@ -30,6 +30,7 @@ import torch
 from posttrain.models.device import synchronize
 from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.rollout.engine import Engine, EngineConfig
+from posttrain.rollout.runner import _weight
 from posttrain.rollout.types import Request, SamplingParams
 
 TOPICS = ["What is 2+2?", "Write a haiku about the sea.", "Explain gravity to a child in two sentences.", "hi",
@@ -183,9 +184,8 @@ def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
 
     step()
     best = min(_timed(step, runner.device) for _ in range(reps))
-    outs = runner.qkv[0](x).shape[1] * H + H * a_o.shape[1] + 2 * inner * H + H * inner  # per layer
-    flops = 2 * rows * (len(runner.layers) * outs + runner.lm_head(x).shape[1] * H)
-    return best, flops
+    linears = (*runner.qkv, *runner.o, *runner.gate_up, *runner.down, runner.lm_head)
+    return best, 2 * rows * sum(_weight(m).numel() for lin in linears for m in lin.mods)
 
 
 def copy_bandwidth(device, mib: int = 256, reps: int = 5) -> float:

@@ -113,7 +113,8 @@ def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
     logp, lse = z.new_empty(n), z.new_empty(n)
     entropy = z.new_empty(n) if want_entropy else None
     for r0 in range(0, n, rows):
-        zc, r1 = z[r0 : r0 + rows], min(n, r0 + rows)
+        r1 = min(n, r0 + rows)
+        zc = z[r0:r1]
         lse[r0:r1] = torch.logsumexp(zc, -1)
         zc.sub_(lse[r0:r1, None])  # log p
         logp[r0:r1] = zc.gather(1, targets[r0:r1, None]).squeeze(1)

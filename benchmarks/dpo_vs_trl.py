@@ -42,7 +42,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 LR, BETA = 5e-7, 0.1
@@ -112,7 +112,7 @@ def main() -> None:
     from transformers.trainer_callback import PrinterCallback
     from trl import DPOTrainer
 
-    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.models.loading import load_tokenizer
     from posttrain.recipes import dpo
     from posttrain.training.data_order import EpochSampler
 
@@ -177,9 +177,9 @@ def main() -> None:
         clock, trace = PhaseClock(), Trace(args.profile)
         alt = Alternate()
         ds = datasets.Dataset.from_list([pairs[i] for i in order])
-        policy = load_model(args.model)
+        policy = stock_model(args.model)
         # TRL builds its reference from the policy's path; a model built from a config (tiny-random) has none
-        ref = None if policy.name_or_path or args.trl_precompute else load_model(args.model)
+        ref = None if policy.name_or_path or args.trl_precompute else stock_model(args.model)
         trainer = DPOTrainer(model=policy, ref_model=ref, args=trl_args(args, f"{tmp}/trl"), train_dataset=ds,
                              processing_class=load_tokenizer(args.model), callbacks=[alt])
         trainer.remove_callback(PrinterCallback)

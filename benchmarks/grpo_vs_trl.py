@@ -43,7 +43,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
@@ -123,7 +123,7 @@ def main() -> None:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.models.loading import load_tokenizer
     from posttrain.recipes import rl
     from posttrain.rewards.registry import compose
     from posttrain.training.data_order import EpochSampler
@@ -188,7 +188,7 @@ def main() -> None:
 
         alt = Alternate()
         targs = GRPOConfig(output_dir=f"{tmp}/trl", **task, **({} if args.trl_defaults else equal))
-        trainer = GRPOTrainer(model=load_model(args.model), reward_funcs=[math], args=targs, train_dataset=ds,
+        trainer = GRPOTrainer(model=stock_model(args.model), reward_funcs=[math], args=targs, train_dataset=ds,
                               processing_class=load_tokenizer(args.model), callbacks=[alt])
         trainer.remove_callback(PrinterCallback)  # our own per-step line instead of TRL's log dicts
         alt.trainer = trainer

@@ -143,14 +143,27 @@ def flops_forward(n_body: int, vocab_hidden: int, positions: float, logit_positi
     return 2.0 * n_body * positions + 2.0 * vocab_hidden * logit_positions
 
 
+def stock_model(name: str, **kw):
+    """The model as a TRL user loads it: posttrain's loader (the same weights, GGUF conversion and cache) with
+    transformers' own attention and torch.nn.Linear (no oneDNN swap, ops/linear.py). The process-wide malloc
+    setting of ops/host_memory.py cannot be undone and stays: it speeds the competitor up too (conservative)."""
+    from posttrain.models.loading import load_model
+    from posttrain.ops.linear import use_onednn_linears
+
+    model = load_model(name, varlen_attention=False, **kw)
+    use_onednn_linears(model, enabled=False)
+    return model
+
+
 def measure_peak(dtype: str, threads: int) -> float:
-    """FLOP/s of a large matmul in `dtype` at `threads` threads, measured now (best of short trials)."""
+    """FLOP/s of a large matmul in `dtype` at `threads` threads, measured now (best of short trials): the
+    faster of posttrain's kernel (fp32: oneDNN, ops/linear.py) and torch.matmul (fp32: the BLAS)."""
     from posttrain.plan import cpu
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return cpu.matmul_rate(dtype)
+        return max(cpu.matmul_rate(dtype), cpu.matmul_rate(dtype, kernel=torch.matmul))
     finally:
         torch.set_num_threads(saved)
 

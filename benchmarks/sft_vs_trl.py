@@ -29,7 +29,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, table
+from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 CLOCK, TRACE = PhaseClock(), Trace(None)
@@ -88,7 +88,7 @@ def run_trl(args, data_rows) -> dict:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from posttrain.models.loading import load_model, load_tokenizer
+    from posttrain.models.loading import load_tokenizer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -116,7 +116,7 @@ def run_trl(args, data_rows) -> dict:
             assistant_only_loss=False, seed=0, disable_tqdm=True,
             **({} if args.trl_defaults else {"bf16": args.precision == "bf16", "gradient_checkpointing": False}),
         )
-        trainer = SFTTrainer(model=load_model(args.model), args=targs, train_dataset=ds,
+        trainer = SFTTrainer(model=stock_model(args.model), args=targs, train_dataset=ds,
                              processing_class=load_tokenizer(args.model), callbacks=[timer])
         sizes = body_params(trainer.model), trainer.model.get_output_embeddings().weight.numel()
         CLOCK.wrap(trainer, "compute_loss", "forward",  # HF's loss: logits at every position
@@ -134,9 +134,8 @@ def run_trl(args, data_rows) -> dict:
 
 def raw_rate(args) -> dict:
     """The bare model: forward (HF loss over all positions) + backward on one full packed row, no optimizer."""
-    from posttrain.models.loading import load_model
 
-    model = load_model(args.model)
+    model = stock_model(args.model)
     ids = torch.randint(0, model.config.vocab_size, (1, args.max_length))
     times = []
     for _ in range(3):

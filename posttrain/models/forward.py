@@ -79,7 +79,9 @@ def check_logit_head(inner, head: LogitHead, tokens: int = 8) -> None:
     (1) lm_head receives the backbone's last hidden states unchanged, (2) lm_head is the linear map of
     its weight and bias, (3) the returned logits are the scale / soft-cap of lm_head's output that
     `head` applies. Tolerance: 4 ulps of the logits' dtype relative to their size (a missing cap of c
-    changes a logit z by z - c·tanh(z/c), a missing scale by a factor). Raises UserError otherwise."""
+    changes a logit z by z - c·tanh(z/c), a missing scale by a factor), plus for (2) the rounding bound of
+    a K-term dot product, 2·γ_K·|x|·|W|ᵀ (lm_head's kernel may sum in another order than F.linear).
+    Raises UserError otherwise."""
     seen: dict = {}
     backbone, lm_head = backbone_of(inner), inner.get_output_embeddings()
 
@@ -103,14 +105,20 @@ def check_logit_head(inner, head: LogitHead, tokens: int = 8) -> None:
     if "u" not in seen or "h" not in seen:
         raise UserError(f"{name}: its forward does not call its output embeddings and backbone as modules; "
                         "posttrain cannot check that its log-probs match the model's logits")
-    u = seen["u"]
-    checks = (("the hidden states lm_head receives", seen["x"], seen["h"]),
-              ("lm_head's output", u, F.linear(seen["x"], head.weight, head.bias)),
+    u, x = seen["u"], seen["x"]
+    # lm_head's own kernel may sum in another order than F.linear (oneDNN vs the BLAS): a dot product of K
+    # terms rounds by at most γ_K·Σ|x_k·w_k|, γ_K = K·u/(1 − K·u) (u: unit roundoff), whatever the order
+    u_round = torch.finfo(u.dtype).eps / 2
+    K = x.shape[-1]
+    gamma = K * u_round / (1 - K * u_round)
+    magnitude = F.linear(x.abs().float(), head.weight.abs().float(), None if head.bias is None else head.bias.abs().float())
+    checks = (("the hidden states lm_head receives", x, seen["h"], 0.0),
+              ("lm_head's output", u, F.linear(x, head.weight, head.bias), 2 * gamma * float(magnitude.max())),
               (f"the logits (posttrain applies scale {head.scale}, soft-cap {head.softcap})", logits,
-               HeadMap(head.scale, head.softcap).apply(u.float())[0]))
-    for what, got, want in checks:
+               HeadMap(head.scale, head.softcap).apply(u.float())[0], 0.0))
+    for what, got, want, order_tol in checks:
         got, want = got.float().reshape(want.shape), want.float()
-        tol = 4 * torch.finfo(logits.dtype).eps * max(1.0, float(want.abs().max()))
+        tol = 4 * torch.finfo(logits.dtype).eps * max(1.0, float(want.abs().max())) + order_tol
         err = float((got - want).abs().max())
         if err > tol:
             raise UserError(f"{name} post-processes its logits in a way posttrain's log-prob head does not reproduce: "

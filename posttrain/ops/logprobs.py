@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from posttrain.ops.linear import linear, matmul, matmul_t
 from posttrain.ops.sampling import trainer_logprobs
 
 KEEP_MAX = 2**25  # elements (128 MB in fp32): the most logits one tile, a kept softmax or a kept-set chunk holds
@@ -67,7 +68,7 @@ class HeadMap:
 
 def _tile(h, weight, bias, v0: int, v1: int, hm: HeadMap, slope: bool = False):
     """Logits z (r, v1 − v0) in the accumulation dtype of the column tile [v0, v1), and dz/du on request."""
-    u = h @ weight[v0:v1].t()
+    u = matmul_t(h, weight[v0:v1])
     if bias is not None:
         u = u + bias[v0:v1]
     return hm.apply(u.to(_acc(h.dtype)), slope)
@@ -176,7 +177,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 # entropy bonus: ∂H/∂z_v = −p_v (log p_v + H), before p is overwritten
                 e_term = None if grad_entropy is None else _entropy_grad(p, ent[s : s + rows], grad_entropy[s : s + rows].to(acc))
                 dz = _tile_grad(p, g, targets[s : s + rows], v0, v1, slope, e_term)  # dL/du of the tile (r, c)
-                _backprop_tile(dz, h_acc, weight, v0, v1, gh, grad_w, grad_b)
+                _backprop_tile(dz, h_acc, weight, v0, v1, gh, grad_w, grad_b, first=s == 0)
             if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
         return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 4
@@ -187,25 +188,33 @@ def _cast(grad_h, grad_w, grad_b, weight, bias) -> tuple:
     return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
 
 
-def _backprop_tile(dz, h_acc, weight, v0: int, v1: int, gh, grad_w, grad_b) -> None:
+def _backprop_tile(dz, h_acc, weight, v0: int, v1: int, gh, grad_w, grad_b, first: bool) -> None:
     """Add dL/du (r, c) of columns [v0, v1) into the hidden-state rows' gradient gh (r, H), grad_w and grad_b
-    (each None when not needed): gh += dz·W[v0:v1], grad_w[v0:v1] += dzᵀ·h, grad_b[v0:v1] += Σ_rows dz."""
+    (each None when not needed): gh += dz·W[v0:v1], grad_w[v0:v1] += dzᵀ·h, grad_b[v0:v1] += Σ_rows dz.
+    `first`: the first chunk of rows, which writes grad_w and grad_b (left empty by _grad_buffers) instead."""
     if gh is not None:
-        gh += dz.to(weight.dtype) @ weight[v0:v1]
+        gh += matmul(dz.to(weight.dtype), weight[v0:v1])
     if grad_w is not None:
-        grad_w[v0:v1].addmm_(dz.t(), h_acc)
+        if first:
+            torch.mm(dz.t(), h_acc, out=grad_w[v0:v1])
+        else:
+            grad_w[v0:v1].addmm_(dz.t(), h_acc)
     if grad_b is not None:
-        grad_b[v0:v1] += dz.sum(0)
+        if first:
+            torch.sum(dz, 0, out=grad_b[v0:v1])
+        else:
+            grad_b[v0:v1] += dz.sum(0)
 
 
 def _grad_buffers(ctx, hidden, weight, bias):
-    """Zero fp32 (fp64 for fp64 inputs) accumulators for the weight and bias gradients, None where not needed,
-    and an empty hidden-state gradient."""
+    """fp32 (fp64 for fp64 inputs) accumulators for the weight and bias gradients, None where not needed,
+    and the hidden-state gradient: all empty (the first chunk of rows writes them, `_backprop_tile`), so
+    no pass zeroes a (V, H) buffer that is overwritten anyway."""
     acc = _acc(hidden.dtype)
     grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+    grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
     need_b = bias is not None and ctx.needs_input_grad[2]
-    grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+    grad_b = torch.empty(bias.shape, dtype=acc, device=bias.device) if need_b else None
     return grad_h, grad_w, grad_b
 
 
@@ -254,9 +263,7 @@ def head_logits(hidden, weight, bias=None, scale: float = 1.0, softcap: float | 
     the whole distribution of a few rows (a divergence, a kept set); (N x V) memory."""
     hm = HeadMap(float(scale), None if softcap is None else float(softcap), float(temperature))
     with torch.autocast(hidden.device.type, enabled=False):
-        u = hidden.to(weight.dtype) @ weight.t()
-        if bias is not None:
-            u = u + bias
+        u = linear(hidden.to(weight.dtype), weight, bias)  # differentiable (a divergence's gradient flows here)
         return hm.apply(u.float() if u.dtype != torch.float64 else u)[0]
 
 
@@ -296,7 +303,8 @@ class _ChunkedKeptLogProbs(torch.autograd.Function):
                 (dz,) = torch.autograd.grad(lp, z, grad_logp[s : s + rows].to(lp.dtype))
             dz = dz.mul_(slope) if not (isinstance(slope, float) and slope == 1.0) else dz
             gh = torch.zeros(h.shape, dtype=acc, device=h.device) if grad_h is not None else None
-            _backprop_tile(dz.to(acc), h.to(acc) if grad_w is not None else None, weight, 0, V, gh, grad_w, grad_b)
+            _backprop_tile(dz.to(acc), h.to(acc) if grad_w is not None else None, weight, 0, V, gh, grad_w, grad_b,
+                           first=s == 0)
             if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
         return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 6

@@ -3,7 +3,7 @@ short trials timed on the process's CPU clock (a thread another process deschedu
 machine in the user cache dir so that one busy moment does not decide a plan:
 
     peak_flops[dtype]   FLOP/s of a (2048 × 576)·(576 × 1536) matmul (SmolLM2-135M's MLP) in bf16 or fp32,
-                        with the threads torch uses (or one thread × threads, whichever is faster): the
+                        through the kernel training uses (ops/linear.py), with the threads torch uses (or one thread × threads, whichever is faster): the
                         compute-bound rate (training, prefill)
     bandwidth           bytes/s of a 64 MiB fp32 copy (read 64 + write 64 MiB, more than a CPU's last-level
                         cache): the memory-bound rate (decode reads every weight and the KV once per token)
@@ -91,20 +91,25 @@ def one_thread_time(trial: Callable[[], float], trials: int) -> float:
         torch.set_num_threads(threads)
 
 
-def matmul_rate(dtype: str = "fp32", trials: int = TRIALS) -> float:
+def matmul_rate(dtype: str = "fp32", trials: int = TRIALS, kernel: Callable | None = None) -> float:
     """FLOP/s of the (m × k)·(k × n) matmul in `dtype`: 2·m·k·n / time, the larger of two estimates: all
     threads on the process's CPU clock, and one thread on its own clock × threads (a matmul this size splits
-    evenly; on a loaded machine the first counts other threads' spinning, the second none)."""
+    evenly; on a loaded machine the first counts other threads' spinning, the second none). `kernel`: another
+    matmul (a, b) -> a·b to time, e.g. torch.matmul (the BLAS)."""
     import torch
 
+    from posttrain.ops import linear
+
+    matmul = kernel or linear.matmul  # default: the kernel training runs (fp32 on oneDNN, ops/linear.py)
     m, k, n = SHAPE
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(_torch_dtype(dtype))
     b = torch.randn(k, n, generator=g).to(_torch_dtype(dtype))
-    a @ b  # warm-up: kernel selection, first touch of the output
+    matmul(a, b)  # warm-up: kernel selection, first touch of the output
     threads = torch.get_num_threads()
     flops = 2 * m * k * n
-    return max(flops / best_of(lambda: a @ b, trials, threads), flops * threads / one_thread_time(lambda: a @ b, trials))
+    return max(flops / best_of(lambda: matmul(a, b), trials, threads),
+               flops * threads / one_thread_time(lambda: matmul(a, b), trials))
 
 
 def copy_rate(trials: int = TRIALS) -> float:

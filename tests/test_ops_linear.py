@@ -1,0 +1,91 @@
+"""ops/linear.py: fp32 CPU linears on oneDNN give F.linear's values and gradients (to summation order), and
+only where they apply."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.ops import linear as L
+
+needs_onednn = pytest.mark.skipif(not L.ONEDNN, reason="this torch build has no oneDNN (mkldnn) linear")
+
+
+def order_bound(x, w, b=None):
+    """|fl(x·wᵀ) − x·wᵀ| <= γ_K·(|x|·|w|ᵀ + |b|) for any summation order (γ_K = K·u/(1 − K·u), u = 2^-24):
+    two kernels differ by at most twice that."""
+    u = torch.finfo(torch.float32).eps / 2
+    k = x.shape[-1]
+    gamma = k * u / (1 - k * u)
+    return 2 * gamma * F.linear(x.abs().double(), w.abs().double(), None if b is None else b.abs().double())
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(3, 5, 64), (130, 576), (1, 7)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_values_and_gradients_match_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(48, shape[-1], generator=g, requires_grad=True)
+    b = torch.randn(48, generator=g, requires_grad=True) if bias else None
+    y, y_ref = L.linear(x, w, b), F.linear(x, w, b)
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_LinearBackward"  # the oneDNN path ran
+    assert ((y - y_ref).abs().double() <= order_bound(x, w, b)).all()
+    gy = torch.randn(y.shape, generator=g)
+    inputs = (x, w) + ((b,) if bias else ())
+    got, want = torch.autograd.grad(y, inputs, gy), torch.autograd.grad(y_ref, inputs, gy)
+    # ∂x = ∂y·W, ∂W = ∂yᵀ·x: dot products of 48 and of (rows) terms
+    gx_bound = order_bound(gy.reshape(-1, 48), w.t().detach())
+    assert ((got[0] - want[0]).abs().reshape(-1, shape[-1]).double() <= gx_bound).all()
+    torch.testing.assert_close(got[1:], want[1:])  # ∂W and ∂b: the same BLAS and reduction as autograd's
+
+
+@needs_onednn
+def test_matmul_helpers_are_differentiable_and_exact_to_order():
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(9, 16, generator=g, requires_grad=True)
+    b = torch.randn(16, 5, generator=g, requires_grad=True)
+    c = torch.randn(5, 16, generator=g, requires_grad=True)
+    for got, want, other in ((L.matmul(a, b), a @ b, b), (L.matmul_t(a, c), a @ c.t(), c)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        grads, grads_ref = torch.autograd.grad(got.sum(), (a, other)), torch.autograd.grad(want.sum(), (a, other))
+        torch.testing.assert_close(grads, grads_ref, rtol=1e-5, atol=1e-5)
+
+def test_other_dtypes_devices_and_autocast_take_the_stock_op():
+    x64 = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    assert type(L.linear(x64, w64).grad_fn).__name__ != "_LinearBackward"
+    assert torch.autograd.gradcheck(lambda a, b: L.linear(a, b), (x64, w64))
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = L.linear(x, w)
+    assert y.dtype == torch.bfloat16  # autocast's own bf16 matmul (already oneDNN in PyTorch)
+    assert not L.applies(torch.randn(0, 8), w)  # empty inputs: the stock op
+
+
+@needs_onednn
+def test_no_graph_when_nothing_needs_a_gradient():
+    x, w = torch.randn(6, 8), torch.randn(3, 8)
+    assert L.linear(x, w).grad_fn is None
+    with torch.no_grad():
+        assert L.linear(x, w.requires_grad_()).grad_fn is None
+
+
+@needs_onednn
+def test_swapping_classes_keeps_parameters_copies_and_pickles():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4, bias=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8)
+    y0 = model(x)
+    assert L.use_onednn_linears(model) == 2
+    assert all(type(m) is L.Linear for m in (model[0], model[2])) and isinstance(model[0], torch.nn.Linear)
+    assert model.state_dict().keys() == before.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    torch.testing.assert_close(model(x), y0, rtol=1e-5, atol=1e-6)
+    assert type(copy.deepcopy(model)[0]) is L.Linear
+    assert type(pickle.loads(pickle.dumps(model))[2]) is L.Linear
+    assert L.use_onednn_linears(model) == 0  # idempotent
+    assert L.use_onednn_linears(model, enabled=False) == 2 and type(model[0]) is torch.nn.Linear

@@ -42,7 +42,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
+from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 LR, BETA = 5e-7, 0.1
@@ -102,6 +102,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/dpo_vs_trl.json")
     p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
     p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
+    Allocator.add_flag(p)
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
@@ -118,7 +119,7 @@ def main() -> None:
 
     n = args.batch * args.steps  # one epoch: every pair once on each side
     print(f"threads={args.threads} model={args.model} pairs={n} batch={args.batch} steps={args.steps} warmup={args.warmup} "
-          f"precision={args.precision} trl_precompute={args.trl_precompute} trl_defaults={args.trl_defaults}", flush=True)
+          f"precision={args.precision} trl_precompute={args.trl_precompute} trl_defaults={args.trl_defaults} shared_malloc={args.shared_malloc}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         pairs = arithmetic_pairs(n)
         data = Path(tmp) / "pairs.jsonl"
@@ -150,6 +151,7 @@ def main() -> None:
                 self.mark, self.trl, self.pt, self.pt_rows, self.trl_logps = None, [], [], [], []
 
             def on_train_begin(self, a, state, control, **kw):
+                malloc.side("trl")
                 self.mark = time.perf_counter()
 
             def on_step_begin(self, a, state, control, **kw):
@@ -166,8 +168,10 @@ def main() -> None:
                 self.trl_logps.append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
                 if len(self.pt) == args.warmup - 1:
                     trace.start("posttrain")
+                malloc.side("posttrain")
                 with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
                     row = dpo.dpo_step(run, len(self.pt))
+                malloc.side("trl")
                 trace.stop()
                 self.pt.append(time.perf_counter() - t)
                 self.pt_rows.append(row)
@@ -175,6 +179,7 @@ def main() -> None:
                 self.mark = time.perf_counter()
 
         clock, trace = PhaseClock(), Trace(args.profile)
+        malloc = Allocator(args.shared_malloc)
         alt = Alternate()
         ds = datasets.Dataset.from_list([pairs[i] for i in order])
         policy = stock_model(args.model)

@@ -43,7 +43,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
+from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
@@ -113,6 +113,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/grpo_vs_trl.json")
     p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
     p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
+    Allocator.add_flag(p)
     args = p.parse_args()
     if args.steps <= args.warmup:
         p.error("--steps must be larger than --warmup")
@@ -131,7 +132,7 @@ def main() -> None:
     task, equal = trl_settings(args)
     changed = default_changes(equal) if args.trl_defaults else {}
     print(f"threads={args.threads} model={args.model} steps={args.steps} warmup={args.warmup} precision={args.precision} "
-          f"trl_defaults={args.trl_defaults}", flush=True)
+          f"trl_defaults={args.trl_defaults} shared_malloc={args.shared_malloc}", flush=True)
     if changed:
         print("TRL defaults kept (default vs matched): "
               + ", ".join(f"{k}={d!r} (vs {v!r})" for k, (d, v) in changed.items()), flush=True)
@@ -161,6 +162,7 @@ def main() -> None:
                 self.mark, self.trl, self.pt, self.pt_rows, self.trainer = None, [], [], [], None
 
             def on_train_begin(self, a, state, control, **kw):
+                malloc.side("trl")
                 self.mark = time.perf_counter()
 
             def on_step_begin(self, a, state, control, **kw):
@@ -175,8 +177,10 @@ def main() -> None:
                 self.trl.append(t - self.mark)
                 if len(self.pt) == args.warmup - 1:
                     trace.start("posttrain")
+                malloc.side("posttrain")
                 with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
                     row = rl.rl_step(run, len(self.pt))
+                malloc.side("trl")
                 trace.stop()
                 t2 = time.perf_counter()
                 self.pt.append(t2 - t)
@@ -186,6 +190,7 @@ def main() -> None:
                       f"reward trl {trl_r:.3f} posttrain {row['reward/mean']:.3f}", flush=True)
                 self.mark = time.perf_counter()
 
+        malloc = Allocator(args.shared_malloc)
         alt = Alternate()
         targs = GRPOConfig(output_dir=f"{tmp}/trl", **task, **({} if args.trl_defaults else equal))
         trainer = GRPOTrainer(model=stock_model(args.model), reward_funcs=[math], args=targs, train_dataset=ds,

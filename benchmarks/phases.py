@@ -146,13 +146,35 @@ def flops_forward(n_body: int, vocab_hidden: int, positions: float, logit_positi
 def stock_model(name: str, **kw):
     """The model as a TRL user loads it: posttrain's loader (the same weights, GGUF conversion and cache) with
     transformers' own attention and torch.nn.Linear (no oneDNN swap, ops/linear.py). The process-wide malloc
-    setting of ops/host_memory.py cannot be undone and stays: it speeds the competitor up too (conservative)."""
+    setting of ops/host_memory.py is switched per side by `Allocator`."""
     from posttrain.models.loading import load_model
     from posttrain.ops.linear import use_onednn_linears
 
     model = load_model(name, varlen_attention=False, **kw)
     use_onednn_linears(model, enabled=False)
     return model
+
+
+class Allocator:
+    """The malloc settings each side runs under, switched at every hand-over between the sides: posttrain its
+    own (ops/host_memory.py keeps freed blocks), the competitor glibc's steady-state defaults (blocks above
+    32 MiB mapped and unmapped per use), as each would run in its own process. `shared` (--shared-malloc)
+    leaves posttrain's settings on for both: the competitor then gains from them too."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared
+
+    def side(self, name: str) -> None:
+        from posttrain.ops.host_memory import glibc_steady_state
+
+        if not self.shared:
+            glibc_steady_state(on=name != "posttrain")
+
+    @staticmethod
+    def add_flag(parser) -> None:
+        parser.add_argument("--shared-malloc", action="store_true",
+                            help="the competitor runs under posttrain's malloc settings too (default: glibc's, "
+                                 "as in its own process)")
 
 
 def measure_peak(dtype: str, threads: int) -> float:

@@ -29,7 +29,7 @@ os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
-from phases import PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
+from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 CLOCK, TRACE = PhaseClock(), Trace(None)
@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
     p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
+    Allocator.add_flag(p)
     args = p.parse_args()
     TRACE.folder = args.profile
     CLOCK.hook_torch()
@@ -172,12 +173,14 @@ def main() -> None:
     data_rows = generate(f"arithmetic:{args.rows}")
     args.out = args.out or f"benchmarks/results/sft_vs_trl_{args.precision}{'_trl_defaults' if args.trl_defaults else ''}.json"
     print(f"threads={torch.get_num_threads()} model={args.model} max_length={args.max_length} batch={args.batch} micro={args.micro} "
-          f"precision={args.precision} trl_defaults={args.trl_defaults}", flush=True)
+          f"precision={args.precision} trl_defaults={args.trl_defaults} shared_malloc={args.shared_malloc}", flush=True)
     results = {"raw_forward_backward": raw_rate(args)}
     print(f"raw fwd+bwd   {results['raw_forward_backward']['tokens_per_s']:8.1f} tok/s", flush=True)
     runs = {"posttrain": [], "trl": []}
+    malloc = Allocator(args.shared_malloc)
     for _ in range(args.repeats):  # alternate, so a noisy stretch of the shared machine hits both sides
         for name, fn in (("posttrain", run_posttrain), ("trl", run_trl)):
+            malloc.side(name)
             runs[name].append(fn(args, data_rows))
             print(f"{name:13s} {runs[name][-1]['tokens_per_s']:8.1f} tok/s", flush=True)
     for name, rs in runs.items():

@@ -46,9 +46,32 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    _done = _done and bool(mallopt(_M_MMAP_MAX, 0))
+    _done = _set(mallopt, KEEP)
     return _done
+
+
+KEEP = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD, _M_MMAP_MAX: 0}
+# glibc's defaults once its dynamic threshold has seen a freed block of 32 MiB or more (what a training
+# step's temporaries do at once): blocks up to 32 MiB from the heap, larger ones mmap'd and unmapped on
+# free, the heap top trimmed beyond twice the threshold
+GLIBC_STEADY = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: 2 * MMAP_THRESHOLD, _M_MMAP_MAX: 65536}
+
+
+def _set(mallopt, values: dict) -> bool:
+    return all(bool(mallopt(k, v)) for k, v in values.items())
+
+
+def glibc_steady_state(on: bool) -> bool:
+    """Switch this process to glibc's steady-state defaults (`GLIBC_STEADY`; on=True) or back to
+    `keep_freed_memory`'s settings (on=False, only if they were applied). For benchmarks: a competitor
+    runs with the allocator its users get, in the same process. True if the switch took effect."""
+    if not _done:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if on:
+        release_freed_memory()  # the competitor starts without our kept free pages, as in its own process
+    return _set(libc.mallopt, GLIBC_STEADY if on else KEEP)
 
 
 def release_freed_memory() -> bool:

@@ -107,11 +107,11 @@ def _row_forward(h, weight, bias, targets, hm: HeadMap, cols: int, want_entropy:
 def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
     """z (N, V) logits -> (logp (N,), lse (N,), entropy (N,) | None), z overwritten by softmax(z).
 
-    Chunks of `rows` rows, in place, with m = max_v z, e = exp(z − m), s = Σ e:
-        lse = m + log s,   logp = (z_y − m) − log s,   p = e / s,   H = log s − Σ e·(z − m) / s.
-    Nothing (N, V)-sized is allocated (torch.logsumexp alone would make two chunk-sized temporaries; one
-    (N, V) temporary per operation, ~100 MB each at N = 490, V = 49152, would be a fresh mapping,
-    page-faulted anew at every call); the entropy takes one chunk-sized temporary."""
+    Chunks of `rows` rows, in place: lse = m + log Σ exp(z − m) (m = max_v z), then z − lse (log p) and
+    p = exp(z − lse), exactly as a recomputing backward forms p from the saved lse (a second backward gives
+    the same gradient). One chunk-sized temporary (torch.logsumexp would make two); one (N, V) temporary per
+    operation (~100 MB each at N = 490, V = 49152) would be a fresh mapping, page-faulted anew at every call.
+    H = −Σ p·log p."""
     n = z.shape[0]
     logp, lse = z.new_empty(n), z.new_empty(n)
     entropy = z.new_empty(n) if want_entropy else None
@@ -119,21 +119,15 @@ def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
         r1 = min(n, r0 + rows)
         zc = z[r0:r1]
         m = zc.amax(1, keepdim=True)
-        zc.sub_(m)  # z − m
-        zt = zc.gather(1, targets[r0:r1, None]).squeeze(1)
+        lse[r0:r1] = m.squeeze(1) + (zc - m).exp_().sum(1).log_()
+        zc.sub_(lse[r0:r1, None])  # log p
+        logp[r0:r1] = zc.gather(1, targets[r0:r1, None]).squeeze(1)
         if want_entropy:
-            e = zc.exp()
-            s = e.sum(1)
-            t = zc.mul_(e).sum(1)  # Σ e·(z − m)
-            zc.copy_(e)
+            p = zc.exp()
+            entropy[r0:r1] = (p * zc).sum(-1).neg_()
+            zc.copy_(p)
         else:
-            s = zc.exp_().sum(1)
-        zc.div_(s[:, None])  # p
-        log_s = s.log()
-        lse[r0:r1] = m.squeeze(1) + log_s
-        logp[r0:r1] = zt - log_s
-        if want_entropy:
-            entropy[r0:r1] = log_s - t / s
+            zc.exp_()
     return logp, lse, entropy
 
 

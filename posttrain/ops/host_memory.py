@@ -40,13 +40,10 @@ def keep_freed_memory() -> bool:
     _done = False
     if os.environ.get("POSTTRAIN_KEEP_FREED_MEMORY", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _done = _set(mallopt, KEEP)
+    _done = _set(libc, KEEP)
     return _done
 
 
@@ -57,28 +54,30 @@ KEEP = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD, _M
 GLIBC_STEADY = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: 2 * MMAP_THRESHOLD, _M_MMAP_MAX: 65536}
 
 
-def _set(mallopt, values: dict) -> bool:
-    return all(bool(mallopt(k, v)) for k, v in values.items())
+def _libc():
+    """glibc with mallopt's signature set, or None off glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _set(libc, values: dict) -> bool:
+    return all(bool(libc.mallopt(k, v)) for k, v in values.items())
 
 
 def glibc_steady_state(on: bool) -> bool:
     """Switch this process to glibc's steady-state defaults (`GLIBC_STEADY`; on=True) or back to
-    `keep_freed_memory`'s settings (on=False, only if they were applied). For benchmarks: a competitor
-    runs with the allocator its users get, in the same process. True if the switch took effect."""
-    if not _done:
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if on:
-        release_freed_memory()  # the competitor starts without our kept free pages, as in its own process
-    return _set(libc.mallopt, GLIBC_STEADY if on else KEEP)
+    `keep_freed_memory`'s settings (on=False), only if those were applied. For benchmarks: a competitor
+    runs with the allocator its users get, in the same process; nothing is trimmed at a switch (in its own
+    process the competitor's heap would keep what glibc keeps). True if the switch took effect."""
+    return bool(_done) and _set(_libc(), GLIBC_STEADY if on else KEEP)
 
 
 def release_freed_memory() -> bool:
     """Hand the heap's free pages back to the OS now (glibc malloc_trim): after a one-off burst of
     allocations (a memory probe) that the run's own steps would not reuse in the same shapes."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    libc = _libc()
+    return libc is not None and bool(libc.malloc_trim(0))

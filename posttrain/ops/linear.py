@@ -48,25 +48,26 @@ def _onednn(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) ->
     return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
 
 
-def matmul_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (M, K) · b (N, K)ᵀ -> (M, N): oneDNN where it applies, else torch.matmul; differentiable."""
-    return linear(a, b)
-
-
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a (M, K) · b (K, N) -> (M, N): oneDNN where it applies (b as the strided view (bᵀ)ᵀ), else torch.matmul;
     differentiable."""
     return linear(a, b.t()) if applies(a, b) else a @ b
 
 
+def _forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x as (M, K), y = x·Wᵀ + b shaped (..., N)) on oneDNN."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, _onednn(x2, w, b).view(*x.shape[:-1], w.shape[0])
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N)
-        x2 = x.reshape(-1, x.shape[-1])
+        x2, y = _forward(x, w, b)
         ctx.save_for_backward(x2, w)
-        ctx.lead, ctx.has_bias = x.shape[:-1], b is not None
-        return _onednn(x2, w, b).view(*x.shape[:-1], w.shape[0])
+        ctx.lead = x.shape[:-1]
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -75,7 +76,7 @@ class _Linear(torch.autograd.Function):
         gy2 = gy.reshape(-1, gy.shape[-1])
         gx = _onednn(gy2, w.t()).view(*ctx.lead, w.shape[1]) if ctx.needs_input_grad[0] else None
         gw = gy2.t() @ x2 if ctx.needs_input_grad[1] else None
-        gb = gy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = gy2.sum(0) if ctx.needs_input_grad[2] else None  # False for a None bias
         return gx, gw, gb
 
 
@@ -86,7 +87,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         return F.linear(x, w, b)
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
         return _Linear.apply(x, w, b)
-    return _onednn(x.reshape(-1, x.shape[-1]), w, b).view(*x.shape[:-1], w.shape[0])
+    return _forward(x, w, b)[1]
 
 
 class Linear(torch.nn.Linear):

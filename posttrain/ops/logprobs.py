@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from posttrain.ops.linear import linear, matmul, matmul_t
+from posttrain.ops.linear import linear, matmul
 from posttrain.ops.sampling import trainer_logprobs
 
 KEEP_MAX = 2**25  # elements (128 MB in fp32): the most logits one tile, a kept softmax or a kept-set chunk holds
@@ -68,7 +68,7 @@ class HeadMap:
 
 def _tile(h, weight, bias, v0: int, v1: int, hm: HeadMap, slope: bool = False):
     """Logits z (r, v1 − v0) in the accumulation dtype of the column tile [v0, v1), and dz/du on request."""
-    u = matmul_t(h, weight[v0:v1])
+    u = linear(h, weight[v0:v1])
     if bias is not None:
         u = u + bias[v0:v1]
     return hm.apply(u.to(_acc(h.dtype)), slope)

@@ -3,8 +3,8 @@ short trials timed on the process's CPU clock (a thread another process deschedu
 machine in the user cache dir so that one busy moment does not decide a plan:
 
     peak_flops[dtype]   FLOP/s of a (2048 × 576)·(576 × 1536) matmul (SmolLM2-135M's MLP) in bf16 or fp32,
-                        through the kernel training uses (ops/linear.py), with the threads torch uses (or one thread × threads, whichever is faster): the
-                        compute-bound rate (training, prefill)
+                        through the kernel training uses (ops/linear.py), with the threads torch uses (or
+                        one thread × threads, whichever is faster): the compute-bound rate (training, prefill)
     bandwidth           bytes/s of a 64 MiB fp32 copy (read 64 + write 64 MiB, more than a CPU's last-level
                         cache): the memory-bound rate (decode reads every weight and the KV once per token)
 

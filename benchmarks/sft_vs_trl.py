@@ -27,6 +27,9 @@ from pathlib import Path
 
 os.environ.setdefault("POSTTRAIN_NO_PROGRESS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# posttrain's huge pages for large CPU tensors (posttrain/__init__.py), set before torch loads. Process-wide:
+# the competitor gets them too (a conservative ratio); THP_MEM_ALLOC_ENABLE=0 runs both sides without.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table

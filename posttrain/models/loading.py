@@ -19,6 +19,7 @@ from posttrain.models.builtin import REAL_MODELS, TINY_CONFIGS, TINY_TOKENIZER, 
 from posttrain.models.device import resolve_device
 from posttrain.ops.attention import install
 from posttrain.ops.host_memory import keep_freed_memory
+from posttrain.ops.layers import use_fused_layers
 from posttrain.ops.linear import use_onednn_linears
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -155,7 +156,8 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     SDPA calls run the flash / memory-efficient kernels, which a block-diagonal mask would rule out.
     Generation and any other call still use the stock SDPA path. A model on the CPU keeps freed host memory
     in the process (ops/host_memory.py): a training step's large temporaries reuse heap pages; and its
-    torch.nn.Linear layers run their fp32 matmuls on oneDNN (ops/linear.py, 1.2-1.5x MKL on AMD CPUs).
+    torch.nn.Linear layers run their fp32 matmuls on oneDNN (ops/linear.py, 1.2-1.5x MKL on AMD CPUs); its
+    RMSNorm and SiLU-gated MLP layers run fused forward and backward kernels (ops/layers.py).
     """
     model = _build(resolve(name), name, to_dtype(dtype), seed)
     if device is not None:
@@ -163,6 +165,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     if next(model.parameters()).device.type == "cpu":
         keep_freed_memory()
         use_onednn_linears(model)
+        use_fused_layers(model)
     if varlen_attention and getattr(model.config, "_attn_implementation", None) in (None, "sdpa", "eager"):
         model.set_attn_implementation(install())
     return model

@@ -53,8 +53,9 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
 
-        _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE)],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"], verbose=False)
+        _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE), str(_SOURCE.with_name("train_kernels.cpp"))],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                        extra_ldflags=["-fopenmp"], verbose=False)  # torch's own libgomp at run time (same soname)
     except Exception as e:  # any build problem means: use the eager ops
         warnings.warn(f"posttrain: fused CPU kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using eager ops", stacklevel=2)
         _module = None

@@ -98,7 +98,17 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed)
   return out;
 }
 
+// training kernels (train_kernels.cpp)
+torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u);
+std::vector<torch::Tensor> swiglu_bwd(torch::Tensor gh, torch::Tensor g, torch::Tensor u);
+std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> rmsnorm_bwd(torch::Tensor go, torch::Tensor x, torch::Tensor w, torch::Tensor rstd);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
   m.def("rope", &rope, "rotary embedding, bf16");
+  m.def("swiglu_fwd", &swiglu_fwd, "silu(g) * u, float32 | bfloat16");
+  m.def("swiglu_bwd", &swiglu_bwd, "gradients of silu(g) * u: (gg, gu)");
+  m.def("rmsnorm_fwd", &rmsnorm_fwd, "float32 RMSNorm for training: (out, rstd)");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "float32 RMSNorm gradients: (gx, gw)");
 }

@@ -1,0 +1,143 @@
+"""ops/layers.py: fused RMSNorm and SwiGLU give the eager ops' values and gradients up to rounding (bounds
+derived from float32's unit roundoff and the length of each sum), switch only the classes whose formula they
+reproduce, and leave every model of every tiny family computing what it computed before."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from posttrain.models.builtin import TINY_CONFIGS, build_tiny
+from posttrain.models.loading import load_model
+from posttrain.ops import cpu_kernels, layers
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels could not be built here")
+U = torch.finfo(torch.float32).eps / 2  # unit roundoff
+
+
+def eager_rmsnorm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # HF LlamaRMSNorm in float32
+
+
+@pytest.mark.parametrize("rows,width", [(1, 7), (130, 64), (1024, 576)])
+def test_rmsnorm_values_and_gradients_match_eager(rows, width):
+    g = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, width, generator=g)).requires_grad_(True)
+    w = torch.randn(width, generator=g).requires_grad_(True)
+    out, ref = layers.rmsnorm(x, w, 1e-6), eager_rmsnorm(x, w, 1e-6)
+    assert type(out.grad_fn).__name__ == "_RMSNormBackward"
+    r = torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-6)
+    # the D-term sum of squares in another order: r moves by <= (D/2)·γ, out by a few more roundings
+    assert ((out - ref).abs() <= (width + 8) * U * ref.abs().detach() + 1e-30).all()
+    go = torch.randn(rows, width, generator=g)
+    (gx, gw), (gx_ref, gw_ref) = torch.autograd.grad(out, (x, w), go), torch.autograd.grad(ref, (x, w), go)
+    gy, xd = go * w.detach(), x.detach()
+    # ∂x = r·gy − x·r³·⟨gy, x⟩/D: each part to (D + 8) roundings of its absolute size
+    gx_scale = r * gy.abs() + r**3 * xd.abs() * (gy * xd).abs().sum(-1, keepdim=True) / width
+    assert ((gx - gx_ref).abs() <= 2 * (width + 8) * U * gx_scale).all()
+    # ∂w = Σ_rows go·(x·r): an N-term sum in another order
+    gw_scale = (go * xd * r).abs().sum(0)
+    assert ((gw - gw_ref).abs() <= 2 * (rows + width + 8) * U * gw_scale).all()
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 512, 1536), (3, 7, 33)])
+def test_swiglu_values_and_gradients_match_eager(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    g = (4 * torch.randn(*shape, generator=gen)).requires_grad_(True)
+    u = torch.randn(*shape, generator=gen).requires_grad_(True)
+    h, ref = layers.swiglu(g, u), F.silu(g) * u
+    assert type(h.grad_fn).__name__ == "_SwiGLUBackward"
+    gd, ud = g.detach(), u.detach()
+    sig = torch.sigmoid(gd)
+    # exp to 2 ulps (both sides), then a division and a product: silu·u to ~8 roundings of |silu·u|
+    assert ((h - ref).abs() <= 8 * U * ref.abs().detach() + 1e-37).all()
+    gh = torch.randn(*shape, generator=gen)
+    (gg, gu), (gg_ref, gu_ref) = torch.autograd.grad(h, (g, u), gh), torch.autograd.grad(ref, (g, u), gh)
+    assert ((gu - gu_ref).abs() <= 8 * U * gu_ref.abs() + 1e-37).all()
+    # σ·(1 + g·(1 − σ)) cancels near g ≈ −1.28: bound by the sizes of its terms, not of the result
+    gg_scale = (gh * ud).abs() * sig * (1 + gd.abs() * (1 - sig))
+    assert ((gg - gg_ref).abs() <= 16 * U * gg_scale + 1e-37).all()
+
+
+def test_kernels_apply_only_to_float32_cpu_plain_tensors():
+    x = torch.randn(4, 8)
+    assert layers.rmsnorm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert layers.rmsnorm(x.bfloat16(), torch.ones(8, dtype=torch.bfloat16), 1e-6) is None
+    assert layers.swiglu(x.bfloat16(), x.bfloat16()) is None  # bf16 autocast keeps the eager ops
+    assert layers.swiglu(x, x[:, :4]) is None
+    assert layers.rmsnorm(x, torch.ones(8), 1e-6) is not None
+
+
+def test_no_graph_without_gradients():
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with torch.no_grad():
+        assert layers.rmsnorm(x.requires_grad_(), w, 1e-6).grad_fn is None
+    assert layers.swiglu(torch.randn(3, 4), torch.randn(3, 4)).grad_fn is None
+
+
+class GemmaLikeRMSNorm(torch.nn.Module):
+    """(1 + w)·norm(x): another formula under the same attribute names, which must keep its forward."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class GeluMLP(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = (torch.nn.Linear(width, 2 * width), torch.nn.Linear(width, 2 * width),
+                                                        torch.nn.Linear(2 * width, width))
+        self.act_fn = torch.nn.GELU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_other_formulas_keep_their_forward():
+    model = torch.nn.Sequential(GemmaLikeRMSNorm(16), GeluMLP(16))
+    assert layers.use_fused_layers(model) == 0
+    assert type(model[0]) is GemmaLikeRMSNorm and type(model[1]) is GeluMLP
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_every_tiny_family_computes_what_it_computed(name):
+    """load_model switches what it can; the loss and every gradient equal the unswitched twin's to float32
+    rounding (two forward/backward passes of a few layers: 1e-5 relative)."""
+    model, twin = load_model(name, seed=0, varlen_attention=False), build_tiny(name, seed=0)
+    ids = torch.randint(0, twin.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    losses, grads = [], []
+    for m in (model, twin):
+        loss = m(input_ids=ids, labels=ids).loss
+        losses.append(loss.detach())
+        grads.append(torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad]))
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+    if name in ("tiny-random", "tiny-random-qwen2", "tiny-random-mistral", "tiny-random-qwen3"):
+        assert any(type(m).__name__.startswith("Fused") for m in model.modules()), "expected fused layers"
+    if "gemma" in name:  # (1 + w) norms and GELU MLPs: none switched
+        assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+
+
+def test_switch_round_trip_deepcopy_and_env_off(monkeypatch):
+    model = load_model("tiny-random", seed=0, varlen_attention=False)
+    fused = sum(type(m).__name__.startswith("Fused") for m in model.modules())
+    assert fused > 0
+    clone = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        on = model(ids).logits
+        monkeypatch.setenv("POSTTRAIN_FUSED_LAYERS", "0")  # the classes stay; their forward takes the original
+        off = model(ids).logits
+        monkeypatch.delenv("POSTTRAIN_FUSED_LAYERS")
+        assert layers.use_fused_layers(clone, enabled=False) == fused
+        plain = clone(ids).logits
+    torch.testing.assert_close(off, plain, rtol=0, atol=0)
+    torch.testing.assert_close(on, plain, rtol=1e-5, atol=1e-5)
+    assert not any(type(m).__name__.startswith("Fused") for m in clone.modules())

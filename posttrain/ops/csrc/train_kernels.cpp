@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "bf16.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,19 +23,8 @@
 
 namespace {
 
-inline float bf2f(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN -> 0x7fc0)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
+using posttrain_bf16::bf2f;
+using posttrain_bf16::f2bf;
 
 // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), exp(r) by Cephes' expf polynomial
 inline float exp_approx(float x) {

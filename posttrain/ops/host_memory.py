@@ -23,8 +23,8 @@ Huge pages. Even a block the heap keeps is often fresh memory: PyTorch asks for 
 rather than the freed aligned chunk, so each ~100 MB temporary of a step faults in anew, 4 KiB at a time
 (~25,000 faults). With THP_MEM_ALLOC_ENABLE=1 PyTorch advises transparent huge pages (madvise
 MADV_HUGEPAGE) for every CPU block of 2 MiB or more: the same block then faults in 2 MiB at a time (512x
-fewer faults; 64 MB fresh tensor: ~16,400 -> ~550 faults). Measured on the 2-core CI machine (Intel):
-SFT fp32 186 -> 211-236 tok/s (benchmarks/sft_vs_trl.py's posttrain side). PyTorch reads the variable
+fewer faults; 64 MB fresh tensor: ~16,400 -> ~550 faults). Measured on the 2-core CI machine (Intel), SFT
+fp32 in fresh processes alternating: +3-5%, inside the host's noise. PyTorch reads the variable
 once, at its first CPU allocation, so `import posttrain` sets it (unless it is set already) and it has
 effect only when posttrain is imported before torch: the `posttrain` command always is; a script that
 imports torch first can set THP_MEM_ALLOC_ENABLE=1 in its environment. It needs the kernel's THP in

@@ -10,17 +10,27 @@
 // Serial loops: at decode sizes a thread team costs more than it saves. (A SwiGLU kernel was tried:
 // vectorized, single-threaded it was no faster than the two-thread eager silu + mul, so it is not here.)
 #include <torch/extension.h>
-
-#include "bf16.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-using posttrain_bf16::bf2f;
-using posttrain_bf16::f2bf;
-using posttrain_bf16::round_bf;
+inline float bf2f(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16; branch-free (NaN -> 0x7fc0)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
 const uint16_t* cptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* mptr(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -97,7 +107,7 @@ std::vector<torch::Tensor> rmsnorm_bwd(torch::Tensor go, torch::Tensor x, torch:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
   m.def("rope", &rope, "rotary embedding, bf16");
-  m.def("swiglu_fwd", &swiglu_fwd, "silu(g) * u, float32 | bfloat16");
+  m.def("swiglu_fwd", &swiglu_fwd, "silu(g) * u, float32");
   m.def("swiglu_bwd", &swiglu_bwd, "gradients of silu(g) * u: (gg, gu)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "float32 RMSNorm for training: (out, rstd)");
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "float32 RMSNorm gradients: (gx, gw)");

@@ -1,5 +1,5 @@
-"""ops/linear.py: fp32 CPU linears on oneDNN give F.linear's values and gradients (to summation order), and
-only where they apply."""
+"""ops/linear.py: fp32 CPU linears on oneDNN give F.linear's values and gradients (to summation order), only
+where they apply, and only on machines where the rule picks oneDNN (the kernel tests force it on)."""
 
 import copy
 import pickle
@@ -10,7 +10,13 @@ import torch.nn.functional as F
 
 from posttrain.ops import linear as L
 
-needs_onednn = pytest.mark.skipif(not L.ONEDNN, reason="this torch build has no oneDNN (mkldnn) linear")
+needs_onednn = pytest.mark.skipif(not L.AVAILABLE, reason="this torch build has no oneDNN (mkldnn) linear")
+
+
+@pytest.fixture(autouse=True)
+def onednn_on(monkeypatch):
+    """The kernel's tests run on every machine, whichever kernel the rule picks for training there."""
+    monkeypatch.setattr(L, "ONEDNN", L.AVAILABLE)
 
 
 def order_bound(x, w, b=None):
@@ -89,3 +95,14 @@ def test_swapping_classes_keeps_parameters_copies_and_pickles():
     assert type(pickle.loads(pickle.dumps(model))[2]) is L.Linear
     assert L.use_onednn_linears(model) == 0  # idempotent
     assert L.use_onednn_linears(model, enabled=False) == 2 and type(model[0]) is torch.nn.Linear
+
+
+def test_the_rule_picks_by_vendor_and_obeys_the_switch(monkeypatch):
+    assert L._prefer_onednn("onednn") and not L._prefer_onednn("blas")
+    assert L._prefer_onednn("auto") == (not L._mkl_on_intel())
+    with pytest.raises(ValueError, match="POSTTRAIN_FP32_MATMUL"):
+        L._prefer_onednn("mkl")
+    monkeypatch.setattr(L, "ONEDNN", False)  # the BLAS chosen: the stock op, and no class swap
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+    assert not L.applies(x, w) and type(L.linear(x, w).grad_fn).__name__ != "_LinearBackward"
+    assert L.use_onednn_linears(torch.nn.Sequential(torch.nn.Linear(8, 3))) == 0

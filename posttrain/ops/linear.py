@@ -1,10 +1,13 @@
-"""fp32 matmuls of CPU training on oneDNN instead of the BLAS behind `torch.matmul`.
+"""fp32 matmuls of CPU training on oneDNN instead of the BLAS behind `torch.matmul`, where that is faster.
 
 PyTorch sends a float32 CPU matmul to its BLAS (MKL in the x86 wheels) and only bf16/fp16 ones to oneDNN.
-On AMD CPUs MKL takes a generic code path: measured on an AMD EPYC (2 threads), a 2048³ fp32 matmul ran at
-133 GFLOP/s through MKL and 199 through oneDNN, and the shapes of a 135M model's training step (1024 rows
-× 576/1536 features) at 100-185 against 150-210. oneDNN is Intel's own library and holds its speed on
-Intel too, so one rule for every x86 CPU keeps a run's numbers the same on both kinds:
+MKL's fast code paths are Intel's own: on an AMD EPYC (2 threads) a 2048³ fp32 matmul ran at 133 GFLOP/s
+through MKL and 199 through oneDNN, and the shapes of a 135M model's training step (1024 rows × 576/1536
+features) at 100-185 against 150-210. On an Intel Xeon (2 threads, 2026-12-02) it is the other way round:
+MKL 180 vs oneDNN 167 at 2048³, and MKL 10-20% faster at every body shape and 35% at the LM head's
+(473 × 576 · 576 × 49152: 144 vs 106). So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the default) is: oneDNN
+for fp32 linears unless the CPU is Intel's and the BLAS is MKL; `onednn` or `blas` forces either. Where
+oneDNN is chosen:
 
     y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh)
     ∂x  = ∂y·W         oneDNN (W passed as the strided view Wᵀ, no copy)
@@ -14,10 +17,13 @@ Intel too, so one rule for every x86 CPU keeps a run's numbers the same on both 
 Only where it applies: CPU, float32 input and weight, plain tensors (not DTensor or other subclasses), no
 autocast (under bf16 autocast PyTorch already calls oneDNN). Anything else takes `torch.nn.functional.linear`
 and `torch.matmul`, so CUDA, fp64 (gradcheck) and bf16 paths are the stock ones. Both kernels sum in fp32;
-they differ in summation order only (about 1e-6 relative).
+they differ in summation order only (about 1e-6 relative). The rule depends on the machine only, so a run's
+numbers repeat on the same machine.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +39,24 @@ def _usable() -> bool:
         return False
 
 
-ONEDNN = _usable()
+def _mkl_on_intel() -> bool:
+    """MKL is torch's BLAS and the CPU is Intel's (its fast paths apply)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+    return intel and torch.backends.mkl.is_available()
+
+
+def _prefer_onednn(choice: str) -> bool:
+    if choice not in ("auto", "onednn", "blas"):
+        raise ValueError(f"POSTTRAIN_FP32_MATMUL must be auto, onednn or blas, not {choice!r}")
+    return choice == "onednn" or (choice == "auto" and not _mkl_on_intel())
+
+
+AVAILABLE = _usable()  # this torch build has oneDNN's linear
+ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -100,7 +100,7 @@ def matmul_rate(dtype: str = "fp32", trials: int = TRIALS, kernel: Callable | No
 
     from posttrain.ops import linear
 
-    matmul = kernel or linear.matmul  # default: the kernel training runs (fp32 on oneDNN, ops/linear.py)
+    matmul = kernel or linear.matmul  # default: the kernel training runs (fp32: oneDNN or MKL by CPU, ops/linear.py)
     m, k, n = SHAPE
     g = torch.Generator().manual_seed(0)
     a = torch.randn(m, k, generator=g).to(_torch_dtype(dtype))

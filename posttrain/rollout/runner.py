@@ -136,10 +136,10 @@ class _Linear:
     def refresh(self) -> None:
         if not self.pack:
             return
-        wb = [self._cast(*effective_weight(m)) for m in self.mods]  # LoRA layers: W + scale * B @ A
+        wb = [effective_weight(m) for m in self.mods]  # LoRA layers: W + scale * B @ A
         ws, bs = [w for w, _ in wb], [b for _, b in wb]
-        w = torch.cat(ws) if len(ws) > 1 else ws[0]  # (out, in)
-        self.b = None if all(b is None for b in bs) else torch.cat(
+        w = self._concat(ws)  # (out, in) in the compute dtype
+        self.b = None if all(b is None for b in bs) else self._concat(
             [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
         blocked = _onednn_pack(w, self.batch_hint)
         self.onednn = blocked is not None
@@ -159,11 +159,26 @@ class _Linear:
             out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
         return out if residual is None else out.add_(residual)
 
+    def _concat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The parts stacked along dim 0 in the compute dtype: each cast while it is copied (one pass per part)."""
+        dtype = self.dtype or parts[0].dtype
+        if len(parts) == 1:
+            return parts[0].to(dtype)
+        out = parts[0].new_empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype)
+        row = 0
+        for p in parts:
+            out[row : row + p.shape[0]].copy_(p)
+            row += p.shape[0]
+        return out
+
     def _cast(self, w: torch.Tensor, b: torch.Tensor | None):
         """(weight, bias) in the compute dtype (a bf16 copy of fp32 master weights: what autocast multiplies)."""
         if self.dtype is None or w.dtype == self.dtype:
             return w, b
         return w.to(self.dtype), None if b is None else b.to(self.dtype)
+
+
+_PACK_WORKS: dict[torch.dtype, bool] = {}  # whether oneDNN's packed linear ran here, per weight dtype
 
 
 def _onednn_pack(w: torch.Tensor, batch_hint: int):
@@ -173,12 +188,19 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
     the W^T path (cuBLAS) and `_Linear.__call__` never reaches torch.ops.mkldnn for them."""
     if not is_cpu(w) or not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
         return None
+    if _PACK_WORKS.get(w.dtype) is False:
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        torch.ops.mkldnn._linear_pointwise(w.new_zeros(1, w.shape[1]), packed, None, "none", [], "")  # usable here?
-        return packed
     except (AttributeError, RuntimeError, NotImplementedError):
         return None
+    if w.dtype not in _PACK_WORKS:  # does the packed linear run in this build? once per dtype, not per weight sync
+        try:
+            torch.ops.mkldnn._linear_pointwise(w.new_zeros(1, w.shape[1]), packed, None, "none", [], "")
+            _PACK_WORKS[w.dtype] = True
+        except (AttributeError, RuntimeError, NotImplementedError):
+            _PACK_WORKS[w.dtype] = False
+    return packed if _PACK_WORKS[w.dtype] else None
 
 
 def _weight(module):

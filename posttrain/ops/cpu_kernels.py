@@ -53,7 +53,7 @@ def load():
     try:
         from torch.utils.cpp_extension import load as build
 
-        _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE), str(_SOURCE.with_name("train_kernels.cpp"))],
+        _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                         extra_ldflags=["-fopenmp"], verbose=False)  # torch's own libgomp at run time (same soname)
     except Exception as e:  # any build problem means: use the eager ops
@@ -95,3 +95,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     if x.dim() == 3 and cos.is_contiguous() and sin_signed.is_contiguous() and _usable(x, cos, sin_signed):
         return _module.rope(x, cos, sin_signed)
     return rope_ref(x, cos, sin_signed)
+
+
+def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256):
+    """(tokens (N,), log-probs (N,)) drawn from softmax(logits / t) by the inverse CDF with `uniforms` (N,):
+    `sampling.sample_logits`' plain rows in two passes over the logits (csrc/sample_kernel.cpp), or None
+    where the kernel does not run (not a bf16/float32 CPU tensor with contiguous rows, no AVX2, kernels off)."""
+    if (logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype not in (torch.bfloat16, torch.float32)
+            or logits.stride(1) != 1 or load() is None or not _module.sample_kernel_available()):
+        return None
+    t = temperature.to(torch.float32).contiguous()
+    return tuple(_module.sample_plain(logits, t, uniforms.to(torch.float64).contiguous(), chunks))

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.ops import cpu_kernels
+
 _M32 = 0xFFFFFFFF
 
 
@@ -123,7 +125,7 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     greedy rows (T == 0) take the argmax (log-prob 0); plain rows (T > 0, no top-k, top_p >= 1) skip
     the sorts and the full log_softmax: one exp(z - max) pass gives the (unnormalised) weights the
     inverse CDF needs, and the token's log-prob is z_tok - max - log(sum) (the sum from the inverse
-    CDF's chunk sums). Other rows go through
+    CDF's chunk sums); on CPU one fused kernel does it (`_plain_rows`). Other rows go through
     `process_logits` + `sample`. All per-row parameters are (N,) tensors.
     """
     N, V = logits.shape
@@ -139,16 +141,8 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         rows = None if all_plain else plain.nonzero().squeeze(1)
         x = logits if rows is None else logits[rows]
         t = temperature if rows is None else temperature[rows]
-        if bool((t == 1).all()):  # y = z - max z in float32 (the logits are never modified)
-            # a float32 copy, then an in-place subtract: bf16 - float32 in one op takes a slow mixed-dtype
-            # path (11 ms vs 0.7 ms at (64, 49152) on 2 cores), with the same values
-            y = x.to(torch.float32, copy=True).sub_(x.amax(-1, keepdim=True).float())
-        else:
-            y = x.float() / t.unsqueeze(-1)
-            y.sub_(y.amax(-1, keepdim=True))
         u = uniforms if rows is None else uniforms[rows]
-        t_, total = _inverse_cdf(y.exp(), u, with_total=True)  # weights exp(z - max), unnormalised
-        l_ = y.gather(1, t_.unsqueeze(1)).squeeze(1) - total.log().float()
+        t_, l_ = _plain_rows(x, t, u)
         if rows is None:
             return (t_, l_, kept) if with_kept else (t_, l_)
         tok[rows], lp[rows] = t_, l_
@@ -163,6 +157,24 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         tok[rows], lp[rows] = t_, logprobs.gather(1, t_.unsqueeze(1)).squeeze(1)
         kept[rows] = torch.isfinite(logprobs).sum(-1)
     return out
+
+
+def _plain_rows(x: torch.Tensor, t: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, log-probs) of plain rows: the inverse CDF over exp(y), y = z / t - max(z / t) in float32.
+    On CPU the fused kernel (`cpu_kernels.sample_plain`: two passes over the logits, no (N, V) temporaries)
+    computes the same, up to the order of each chunk's float32 sum."""
+    fused = cpu_kernels.sample_plain(x, t, u)
+    if fused is not None:
+        return fused
+    if bool((t == 1).all()):  # y = z - max z in float32 (the logits are never modified)
+        # a float32 copy, then an in-place subtract: bf16 - float32 in one op takes a slow mixed-dtype
+        # path (11 ms vs 0.7 ms at (64, 49152) on 2 cores), with the same values
+        y = x.to(torch.float32, copy=True).sub_(x.amax(-1, keepdim=True).float())
+    else:
+        y = x.float() / t.unsqueeze(-1)
+        y.sub_(y.amax(-1, keepdim=True))
+    tok, total = _inverse_cdf(y.exp(), u, with_total=True)  # weights exp(z - max), unnormalised
+    return tok, y.gather(1, tok.unsqueeze(1)).squeeze(1) - total.log().float()
 
 
 def kept_logprobs(logits: torch.Tensor, temperature, kept: torch.Tensor, targets: torch.Tensor,

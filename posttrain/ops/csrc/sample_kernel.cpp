@@ -1,0 +1,178 @@
+// The engine's plain sampling rows (temperature > 0, no top-k / top-p) in two passes over the logits,
+// in place of posttrain/ops/sampling.py's eager path (max, float copy, subtract, exp, chunk sums: five
+// passes and two (N, V) float32 temporaries). Same draw rule (`_inverse_cdf`):
+//
+//   y = float(x) / t - float(max x) / t              (t = 1: float(x) - float(max x), as the eager ops)
+//   w = exp(y)                                       (SLEEF expf u10, the routine torch's exp runs on x86)
+//   chunk sums s_c (C chunks of W = ceil(V / C) tokens, float32), csum = float64 cumsum, total = csum[C-1]
+//   target = u * total; chunk c = #{csum <= target} (clamped to C-1); inside it the float64 cdf
+//   csum[c-1] + cumsum(w) picks j = #{cdf <= target}, capped at the chunk's last token of w > 0
+//   token = c*W + j, log-prob = y[token] - float(log(total))
+//
+// Only the order in which a chunk's float32 sum is added differs from torch's reduction, so a draw can
+// differ only where u*total falls within rounding of a CDF step. Rows run in parallel (at::parallel_for).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__AVX2__)  // built with -march=native: AVX2 machines (else the eager path runs)
+#include <immintrin.h>
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
+
+namespace {
+
+inline float bf2f(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+inline float to_f(T v);
+template <>
+inline float to_f<float>(float v) { return v; }
+template <>
+inline float to_f<uint16_t>(uint16_t v) { return bf2f(v); }
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float32 (exact)
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// w[i] = exp(float(x[i]) - shift) for i < n, 8 at a time (a short tail through a zero-padded vector, as
+// torch's vectorized loops do, so every weight comes from the same routine). Returns the float32 sum of
+// the weights (8 lane-wise partial sums, then the lanes in order); writes them to `out` when given.
+template <typename T>
+float exp_block(const T* x, int64_t n, float shift, float* out) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w = Sleef_expf8_u10(_mm256_sub_ps(load8(x + i), sh));
+    if (out) _mm256_storeu_ps(out + i, w);
+    acc = _mm256_add_ps(acc, w);
+  }
+  alignas(32) float buf[8];
+  if (i < n) {
+    const int64_t k = n - i;
+    for (int64_t l = 0; l < 8; ++l) buf[l] = l < k ? to_f<T>(x[i + l]) : 0.f;
+    _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_sub_ps(_mm256_load_ps(buf), sh)));
+    for (int64_t l = k; l < 8; ++l) buf[l] = 0.f;  // padding weighs nothing (the eager path pads with 0)
+    if (out) std::memcpy(out + i, buf, k * sizeof(float));
+    acc = _mm256_add_ps(acc, _mm256_load_ps(buf));
+  }
+  _mm256_store_ps(buf, acc);
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += buf[l];
+  return s;
+}
+
+template <typename T>
+void sample_row(const T* x, int64_t V, float t, double u, int64_t chunks, int64_t* tok, float* lp, std::vector<double>& csum,
+                std::vector<float>& w) {
+  __m256 m8 = _mm256_set1_ps(-INFINITY);  // row max, 8 lanes (4 accumulators: the loads overlap)
+  __m256 m8b = m8, m8c = m8, m8d = m8;
+  int64_t i = 0;
+  for (; i + 32 <= V; i += 32) {
+    m8 = _mm256_max_ps(m8, load8(x + i));
+    m8b = _mm256_max_ps(m8b, load8(x + i + 8));
+    m8c = _mm256_max_ps(m8c, load8(x + i + 16));
+    m8d = _mm256_max_ps(m8d, load8(x + i + 24));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m8, m8b), _mm256_max_ps(m8c, m8d)));
+  float mx = lanes[0];
+  for (int l = 1; l < 8; ++l) mx = std::max(mx, lanes[l]);
+  for (; i < V; ++i) mx = std::max(mx, to_f<T>(x[i]));
+  // y = x / t - max / t; t = 1 divides exactly. Multiplying by 1/t would round differently: divide.
+  const bool one = t == 1.f;
+  const float shift = one ? mx : mx / t;
+  const int64_t W = (V + chunks - 1) / chunks;
+  csum.assign(chunks, 0.0);
+  w.resize(W);
+  double run = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t a = std::min(V, c * W), n = std::min(V, a + W) - a;
+    float s = 0.f;
+    if (one) {
+      s = exp_block<T>(x + a, n, shift, nullptr);
+    } else {  // exact division per element (eager: x.float() / t)
+      for (int64_t i = 0; i < n; ++i) w[i] = to_f<T>(x[a + i]) / t;
+      s = exp_block<float>(w.data(), n, shift, nullptr);
+    }
+    run += static_cast<double>(s);
+    csum[c] = run;
+  }
+  const double total = csum[chunks - 1], target = u * total;
+  int64_t c = std::upper_bound(csum.begin(), csum.end(), target) - csum.begin();
+  c = std::min(c, chunks - 1);
+  const double base = c > 0 ? csum[c - 1] : 0.0;
+  const int64_t a = std::min(V, c * W), n = std::min(V, a + W) - a;
+  std::fill(w.begin(), w.end(), 0.f);
+  if (one) {
+    exp_block<T>(x + a, n, shift, w.data());
+  } else {
+    std::vector<float> y(n);
+    for (int64_t i = 0; i < n; ++i) y[i] = to_f<T>(x[a + i]) / t;
+    exp_block<float>(y.data(), n, shift, w.data());
+  }
+  int64_t j = W, last = W - 1;
+  double cdf = base;
+  for (int64_t i = 0; i < W; ++i) {  // first cdf > target
+    cdf += static_cast<double>(w[i]);
+    if (cdf > target) { j = i; break; }
+  }
+  for (int64_t i = W - 1; i >= 0; --i)
+    if (w[i] > 0.f) { last = i; break; }
+  j = std::min(j, last);
+  const int64_t k = c * W + j;
+  *tok = k;
+  const float yk = one ? to_f<T>(x[k]) - shift : to_f<T>(x[k]) / t - shift;
+  *lp = yk - static_cast<float>(std::log(total));
+}
+
+}  // namespace
+
+bool sample_kernel_available() { return true; }
+
+std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms, int64_t chunks) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1, "logits: (N, V) CPU, rows contiguous");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 || logits.scalar_type() == at::kFloat, "logits: bf16 or float32");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() && temperature.numel() == logits.size(0), "temperature: (N,) float32");
+  TORCH_CHECK(uniforms.scalar_type() == at::kDouble && uniforms.is_contiguous() && uniforms.numel() == logits.size(0), "uniforms: (N,) float64");
+  const int64_t N = logits.size(0), V = logits.size(1), ld = logits.stride(0);
+  TORCH_CHECK(chunks >= 1 && V >= 1, "chunks >= 1, V >= 1");
+  auto tok = torch::empty({N}, logits.options().dtype(at::kLong));
+  auto lp = torch::empty({N}, logits.options().dtype(at::kFloat));
+  const float* tp = temperature.data_ptr<float>();
+  const double* up = uniforms.data_ptr<double>();
+  int64_t* kp = tok.data_ptr<int64_t>();
+  float* lpp = lp.data_ptr<float>();
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  const void* base = logits.data_ptr();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> csum;
+    std::vector<float> w;
+    for (int64_t r = begin; r < end; ++r) {
+      if (bf16)
+        sample_row<uint16_t>(static_cast<const uint16_t*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w);
+      else
+        sample_row<float>(static_cast<const float*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w);
+    }
+  });
+  return {tok, lp};
+}
+
+#else
+bool sample_kernel_available() { return false; }
+std::vector<torch::Tensor> sample_plain(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
+  TORCH_CHECK(false, "sample_plain needs an x86-64 CPU with AVX2");
+}
+#endif

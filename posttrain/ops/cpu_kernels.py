@@ -33,11 +33,13 @@ _tried = False
 
 
 def _cpu_tag() -> str:
+    """This machine's CPU flags and the shared header (torch hashes the sources it compiles, not what they
+    include): a new CPU or a changed header builds afresh."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes()).hexdigest()[:8]
 
 
 def load():

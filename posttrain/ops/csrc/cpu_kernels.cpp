@@ -14,23 +14,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float bf2f(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16; branch-free (NaN -> 0x7fc0)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
-}
-
-inline float round_bf(float f) { return bf2f(f2bf(f)); }
+using posttrain_bf16::bf2f;
+using posttrain_bf16::f2bf;
+using posttrain_bf16::round_bf;
 
 const uint16_t* cptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* mptr(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }

@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__x86_64__) && defined(__AVX2__)  // built with -march=native: AVX2 machines (else the eager path runs)
 #include <immintrin.h>
 
@@ -26,12 +28,7 @@ extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vec
 
 namespace {
 
-inline float bf2f(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using posttrain_bf16::bf2f;
 
 template <typename T>
 inline float to_f(T v);

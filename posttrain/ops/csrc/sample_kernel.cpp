@@ -71,68 +71,62 @@ float exp_block(const T* x, int64_t n, float shift, float* out) {
   return s;
 }
 
+// Weights exp(y - shift) of x[0..n), y = float(x) / t (t = 1 takes x as is: dividing by 1 is exact; other t
+// divide per element, as the eager x.float() / t); their float32 sum, the weights in `out` when given.
 template <typename T>
-void sample_row(const T* x, int64_t V, float t, double u, int64_t chunks, int64_t* tok, float* lp, std::vector<double>& csum,
-                std::vector<float>& w) {
-  __m256 m8 = _mm256_set1_ps(-INFINITY);  // row max, 8 lanes (4 accumulators: the loads overlap)
-  __m256 m8b = m8, m8c = m8, m8d = m8;
+float weights(const T* x, int64_t n, float t, float shift, float* out, std::vector<float>& scratch) {
+  if (t == 1.f) return exp_block<T>(x, n, shift, out);
+  scratch.resize(n);
+  for (int64_t i = 0; i < n; ++i) scratch[i] = to_f<T>(x[i]) / t;
+  return exp_block<float>(scratch.data(), n, shift, out);
+}
+
+template <typename T>
+float row_max(const T* x, int64_t V) {  // 8 lanes, 4 accumulators (the loads overlap)
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
   int64_t i = 0;
   for (; i + 32 <= V; i += 32) {
-    m8 = _mm256_max_ps(m8, load8(x + i));
-    m8b = _mm256_max_ps(m8b, load8(x + i + 8));
-    m8c = _mm256_max_ps(m8c, load8(x + i + 16));
-    m8d = _mm256_max_ps(m8d, load8(x + i + 24));
+    m0 = _mm256_max_ps(m0, load8(x + i));
+    m1 = _mm256_max_ps(m1, load8(x + i + 8));
+    m2 = _mm256_max_ps(m2, load8(x + i + 16));
+    m3 = _mm256_max_ps(m3, load8(x + i + 24));
   }
   alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m8, m8b), _mm256_max_ps(m8c, m8d)));
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
   float mx = lanes[0];
   for (int l = 1; l < 8; ++l) mx = std::max(mx, lanes[l]);
   for (; i < V; ++i) mx = std::max(mx, to_f<T>(x[i]));
-  // y = x / t - max / t; t = 1 divides exactly. Multiplying by 1/t would round differently: divide.
-  const bool one = t == 1.f;
-  const float shift = one ? mx : mx / t;
+  return mx;
+}
+
+template <typename T>
+void sample_row(const T* x, int64_t V, float t, double u, int64_t chunks, int64_t* tok, float* lp, std::vector<double>& csum,
+                std::vector<float>& w, std::vector<float>& scratch) {
+  const float shift = row_max<T>(x, V) / t;  // max(x / t) = max(x) / t: rounding is monotone
   const int64_t W = (V + chunks - 1) / chunks;
-  csum.assign(chunks, 0.0);
-  w.resize(W);
+  auto span = [&](int64_t c) { const int64_t a = std::min(V, c * W); return std::make_pair(a, std::min(V, a + W) - a); };
+  csum.resize(chunks);
   double run = 0.0;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t a = std::min(V, c * W), n = std::min(V, a + W) - a;
-    float s = 0.f;
-    if (one) {
-      s = exp_block<T>(x + a, n, shift, nullptr);
-    } else {  // exact division per element (eager: x.float() / t)
-      for (int64_t i = 0; i < n; ++i) w[i] = to_f<T>(x[a + i]) / t;
-      s = exp_block<float>(w.data(), n, shift, nullptr);
-    }
-    run += static_cast<double>(s);
-    csum[c] = run;
+    const auto [a, n] = span(c);
+    csum[c] = run += static_cast<double>(weights<T>(x + a, n, t, shift, nullptr, scratch));
   }
   const double total = csum[chunks - 1], target = u * total;
-  int64_t c = std::upper_bound(csum.begin(), csum.end(), target) - csum.begin();
-  c = std::min(c, chunks - 1);
-  const double base = c > 0 ? csum[c - 1] : 0.0;
-  const int64_t a = std::min(V, c * W), n = std::min(V, a + W) - a;
-  std::fill(w.begin(), w.end(), 0.f);
-  if (one) {
-    exp_block<T>(x + a, n, shift, w.data());
-  } else {
-    std::vector<float> y(n);
-    for (int64_t i = 0; i < n; ++i) y[i] = to_f<T>(x[a + i]) / t;
-    exp_block<float>(y.data(), n, shift, w.data());
-  }
+  const int64_t c = std::min<int64_t>(std::upper_bound(csum.begin(), csum.end(), target) - csum.begin(), chunks - 1);
+  const auto [a, n] = span(c);
+  w.assign(W, 0.f);
+  weights<T>(x + a, n, t, shift, w.data(), scratch);
   int64_t j = W, last = W - 1;
-  double cdf = base;
+  double cdf = c > 0 ? csum[c - 1] : 0.0;
   for (int64_t i = 0; i < W; ++i) {  // first cdf > target
     cdf += static_cast<double>(w[i]);
     if (cdf > target) { j = i; break; }
   }
   for (int64_t i = W - 1; i >= 0; --i)
     if (w[i] > 0.f) { last = i; break; }
-  j = std::min(j, last);
-  const int64_t k = c * W + j;
+  const int64_t k = c * W + std::min(j, last);
   *tok = k;
-  const float yk = one ? to_f<T>(x[k]) - shift : to_f<T>(x[k]) / t - shift;
-  *lp = yk - static_cast<float>(std::log(total));
+  *lp = (to_f<T>(x[k]) / t - shift) - static_cast<float>(std::log(total));
 }
 
 }  // namespace
@@ -156,12 +150,12 @@ std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temp
   const void* base = logits.data_ptr();
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> csum;
-    std::vector<float> w;
+    std::vector<float> w, scratch;
     for (int64_t r = begin; r < end; ++r) {
       if (bf16)
-        sample_row<uint16_t>(static_cast<const uint16_t*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w);
+        sample_row<uint16_t>(static_cast<const uint16_t*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w, scratch);
       else
-        sample_row<float>(static_cast<const float*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w);
+        sample_row<float>(static_cast<const float*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w, scratch);
     }
   });
   return {tok, lp};

@@ -68,3 +68,22 @@ def test_fallback_for_float32_and_odd_layouts():
     xt = torch.randn(32, 4).bfloat16().t()  # last dim not contiguous
     wb = w.bfloat16()
     assert torch.equal(K.rmsnorm(xt, wb, 1e-6), K.rmsnorm_ref(xt, wb, 1e-6))
+
+
+@needs_kernels
+def test_stale_build_lock_is_removed_not_waited_on():
+    """A build killed midway leaves torch's `lock` file; the next load must remove it, not wait forever
+    (torch's FileBaton polls until the file goes). Runs in a child so a regression times out instead of hanging."""
+    import subprocess
+    import sys
+
+    assert K.load() is not None  # builds (or finds) the extension in the usual directory first
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(f"posttrain_cpu_kernels_{K._cpu_tag()}", verbose=False), "lock")
+    open(lock, "w").close()
+    code = "from posttrain.ops import cpu_kernels as K; assert K.load() is not None"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "left by an interrupted build" in done.stderr
+    assert not os.path.exists(lock)

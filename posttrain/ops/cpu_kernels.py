@@ -53,15 +53,34 @@ def load():
     if shutil.which("ninja") is None:  # the venv's ninja (a dependency) when the venv is not on PATH
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils.cpp_extension import load as build
-
-        _module = build(name=f"posttrain_cpu_kernels_{_cpu_tag()}", sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                        extra_ldflags=["-fopenmp"], verbose=False)  # torch's own libgomp at run time (same soname)
+        _module = _build(f"posttrain_cpu_kernels_{_cpu_tag()}")
     except Exception as e:  # any build problem means: use the eager ops
         warnings.warn(f"posttrain: fused CPU kernels unavailable ({type(e).__name__}: {str(e)[:200]}); using eager ops", stacklevel=2)
         _module = None
     return _module
+
+
+def _build(name: str):
+    """Compile (or load the cached build of) the extension, one process at a time.
+
+    torch guards a build with a `lock` file that a killed build leaves behind, and every later load then
+    waits on it forever. An flock, which the kernel drops when its holder dies, serializes our builders
+    instead; whoever holds it knows any `lock` file left in the directory is stale and removes it."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import load as build
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "posttrain.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        stale = build_dir / "lock"
+        if stale.exists():
+            warnings.warn(f"posttrain: removing {stale}, left by an interrupted build", stacklevel=3)
+            stale.unlink(missing_ok=True)
+        return build(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
+                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
 
 
 def _usable(*ts: torch.Tensor) -> bool:

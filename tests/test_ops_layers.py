@@ -1,4 +1,4 @@
-"""ops/layers.py: fused RMSNorm and SwiGLU give the eager ops' values and gradients up to rounding (bounds
+"""ops/layers.py: fused RMSNorm, SwiGLU and RoPE give the eager ops' values and gradients up to rounding (bounds
 derived from float32's unit roundoff and the length of each sum), switch only the classes whose formula they
 reproduce, and leave every model of every tiny family computing what it computed before."""
 
@@ -121,8 +121,8 @@ def test_every_tiny_family_computes_what_it_computed(name):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
     if name in ("tiny-random", "tiny-random-qwen2", "tiny-random-mistral", "tiny-random-qwen3"):
         assert any(type(m).__name__.startswith("Fused") for m in model.modules()), "expected fused layers"
-    if "gemma" in name:  # (1 + w) norms and GELU MLPs: none switched
-        assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    if "gemma" in name:  # (1 + w) norms and GELU MLPs: none switched (their attention's RoPE is HF's: switched)
+        assert not any(type(m).__name__.startswith("Fused") and "Attention" not in type(m).__name__ for m in model.modules())
 
 
 def test_switch_round_trip_deepcopy_and_env_off(monkeypatch):
@@ -141,3 +141,76 @@ def test_switch_round_trip_deepcopy_and_env_off(monkeypatch):
     torch.testing.assert_close(off, plain, rtol=0, atol=0)
     torch.testing.assert_close(on, plain, rtol=1e-5, atol=1e-5)
     assert not any(type(m).__name__.startswith("Fused") for m in clone.modules())
+
+
+def hf_cos_sin(B, T, D, base=10000.0):
+    """HF's rotary tables: angles t·θ_i for the D/2 frequencies, each used twice (cat(freqs, freqs)), float32."""
+    inv = 1.0 / (base ** (torch.arange(0, D, 2).float() / D))
+    emb = (torch.arange(T).float()[None, :, None] * inv).repeat(1, 1, 2).expand(B, T, D)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,Hk,D", [(2, 512, 9, 3, 64), (1, 7, 4, 2, 16), (3, 33, 2, 1, 128)])
+def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D):
+    """Values, gradients, dtypes and memory layout equal transformers' apply_rotary_pos_emb exactly: the same
+    products, each rounded, then one add (a bf16 q: float32 out, each path's gradient rounded to bf16 first)."""
+    from transformers.models.llama import modeling_llama
+
+    original = getattr(modeling_llama.apply_rotary_pos_emb, "posttrain_original", modeling_llama.apply_rotary_pos_emb)
+    fused = layers._rope_dispatch(original)
+    cos, sin = hf_cos_sin(B, T, D)
+    gen = torch.Generator().manual_seed(0)
+    q0, k0 = torch.randn(B, T, H * D, generator=gen).to(dtype), torch.randn(B, T, Hk * D, generator=gen).to(dtype)
+    results = []
+    for f, on in ((original, False), (fused, True)):
+        q = q0.clone().view(B, T, H, D).transpose(1, 2).requires_grad_(True)  # HF's layout: a transposed view
+        k = k0.clone().view(B, T, Hk, D).transpose(1, 2).requires_grad_(True)
+        token = layers._ROPE_ON.set(on)
+        out = f(q, k, cos, sin)
+        layers._ROPE_ON.reset(token)
+        assert (out[0].grad_fn is not None and type(out[0].grad_fn).__name__.startswith("_RoPE")) == on
+        gen = torch.Generator().manual_seed(1)
+        torch.autograd.backward(out, [torch.randn(o.shape, generator=gen) for o in out])
+        results.append([*out, q.grad, k.grad])
+    for a, b in zip(*results):
+        layout = [[st for st, n in zip(t.stride(), t.shape) if n > 1] for t in (a, b)]  # size-1 dims: any stride
+        assert a.dtype == b.dtype and layout[0] == layout[1]
+        assert torch.equal(a, b)
+
+
+def test_rope_dispatch_only_inside_a_fused_attention():
+    """A switched model's attention takes the kernel; a model of the same class that was not switched (TRL's in
+    a benchmark) keeps the eager ops; a RoPE of another formula (an output cast to q's dtype, as OLMo 2's) keeps
+    its own function."""
+    from transformers.models.llama import modeling_llama
+
+    model, twin = load_model("tiny-random", seed=0, varlen_attention=False), build_tiny("tiny-random", seed=0)
+    assert modeling_llama.apply_rotary_pos_emb.posttrain_original is not None
+    calls = []
+    real = layers.rope
+    ids = torch.randint(0, twin.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    try:
+        layers.rope = lambda *a: calls.append(1) or real(*a)
+        model(ids)
+        n_model = len(calls)
+        twin(ids)
+    finally:
+        layers.rope = real
+    assert n_model == 2 * model.config.num_hidden_layers and len(calls) == n_model
+
+    def casting_rope(q, k, cos, sin, unsqueeze_dim=1):
+        q2, k2 = modeling_llama.apply_rotary_pos_emb.posttrain_original(q, k, cos, sin)
+        return q2.to(q.dtype), k2.to(k.dtype)
+
+    home = type("module", (), {"apply_rotary_pos_emb": staticmethod(casting_rope)})
+    attn = model.model.layers[0].self_attn
+    import sys
+
+    sys.modules["posttrain_test_casting_rope"] = home
+    try:
+        Cls = type("CastingAttention", (type(attn).__mro__[1],), {"__module__": "posttrain_test_casting_rope"})
+        assert not layers._rope_agrees(Cls.__new__(Cls), None)
+        assert home.apply_rotary_pos_emb is casting_rope
+    finally:
+        del sys.modules["posttrain_test_casting_rope"]

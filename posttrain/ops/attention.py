@@ -341,7 +341,8 @@ def fallback_attention(module, query, key, value, attention_mask, causal: bool, 
             out = explicit_attention(query.to(compute), key.to(compute), value.to(compute), scaling, softcap=softcap,
                                      sinks=sinks, window=window, mask=mask, dropout=dropout)
         return out.transpose(1, 2).contiguous().to(out_dtype), None
-    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    home = next((c.__module__ for c in type(module).__mro__ if not c.__module__.startswith("posttrain.")), "")
+    eager = getattr(sys.modules.get(home), "eager_attention_forward", None)  # the modeling file (past a Fused* subclass)
     if eager is None:
         raise ValueError(f"{type(module).__name__} passes {sorted(extra)} and its module has no eager_attention_forward "
                          "to fall back to: load the model with varlen_attention=False")

@@ -1,4 +1,4 @@
-"""Fused RMSNorm and SwiGLU for CPU training: one pass forward and one backward instead of eager op chains.
+"""Fused RMSNorm, SwiGLU and RoPE for CPU training: one pass forward and one backward instead of eager op chains.
 
 HF's RMSNorm is 6 elementwise ops forward (to-float, pow, mean, add, rsqrt, two muls) and about twice that
 backward; its gated MLP's silu(gate) * up is 2 forward and 3 backward, each reading and writing whole
@@ -14,16 +14,30 @@ arithmetic in one pass each, in parallel over rows:
 with the eager ops' roundings for bf16 (s and each product rounded), so the values differ from the eager
 ones by summation order and exp's last bit only.
 
+RoPE in training is HF's `apply_rotary_pos_emb`: q·cos + rotate_half(q)·sin, with rotate_half(q) = cat(−q₂, q₁),
+about 5 eager ops forward per tensor and twice that backward (slices whose backward each fill a zero tensor).
+The kernel does it in one pass each way, float32 or bf16 q with float32 cos/sin (fp32 training, and bf16
+autocast, where q·cos promotes to float32), bit for bit what the eager ops give:
+
+    y₁ = q₁c₁ − q₂s₁,  y₂ = q₂c₂ + q₁s₂          ∂q₁ = ∂y₁c₁ + ∂y₂s₂,  ∂q₂ = ∂y₂c₂ − ∂y₁s₁
+
 `use_fused_layers(model)` gives each RMSNorm and gated-MLP module class of the model a subclass whose forward
 takes the kernels where they apply (CPU, plain tensors, float32 RMSNorm input and MLP activations)
 and the class's own forward otherwise; isinstance, parameters, state dict and hooks stay. A class is switched
 only after its own forward agreed with the fused one, values and gradients, on random input: variants with
-another formula (Gemma's (1 + w) norm, a GELU MLP) keep theirs. POSTTRAIN_FUSED_LAYERS=0 turns it off.
+another formula (Gemma's (1 + w) norm, a GELU MLP) keep theirs. Attention classes get a subclass whose forward
+runs the class's own with the fused RoPE turned on: their modeling module's `apply_rotary_pos_emb` is replaced
+by a dispatcher that takes the kernel only inside such a forward (other models of the same class, TRL's in a
+benchmark say, keep the eager ops) and only after it agreed with the module's own function on random input
+(an interleaved or partial rotary keeps its own). POSTTRAIN_FUSED_LAYERS=0 turns all of it off.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
+import sys
 
 import torch
 
@@ -31,6 +45,7 @@ from posttrain.ops import cpu_kernels
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _SUBCLASSES: dict[type, type | None] = {}  # original class -> fused subclass, or None where it disagreed
+_ROPE_ON = contextvars.ContextVar("posttrain_fused_rope", default=False)  # inside a fused attention's forward
 
 
 def _kernels():
@@ -73,6 +88,55 @@ class _SwiGLU(torch.autograd.Function):
         return gg, gu
 
 
+class _RoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        # x (B, H, T, D) float32 | bf16, cos/sin (B | 1, T, D) float32 -> float32 (B, H, T, D), (B, T, H, D) memory
+        ctx.save_for_backward(cos, sin)
+        ctx.bf16 = x.dtype == torch.bfloat16
+        return cpu_kernels.load().rope_fwd(x, cos, sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        cos, sin = ctx.saved_tensors
+        gy = gy if gy.dtype == torch.float32 and gy.stride(-1) == 1 else gy.float().contiguous()
+        return cpu_kernels.load().rope_bwd(gy, cos, sin, ctx.bf16), None, None
+
+
+def _rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32
+            and x.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, x.shape[0])
+            and cos.shape[1:] == x.shape[2:] and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and x.numel()
+            and not (cos.requires_grad or sin.requires_grad) and _plain_cpu(x, cos, sin) and _kernels() is not None)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """HF's x·cos + rotate_half(x)·sin for x (B, H, T, D) and cos/sin (B | 1, T, D) (float32, the result float32),
+    or None where the kernel does not apply."""
+    if not _rope_applies(x, cos, sin):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RoPE.apply(x, cos, sin)
+    return cpu_kernels.load().rope_fwd(x, cos, sin)
+
+
+def _rope_dispatch(original):
+    """A modeling module's `apply_rotary_pos_emb(q, k, cos, sin)` that takes the kernel inside a fused
+    attention's forward, where it applies, and `original` otherwise."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if (_ROPE_ON.get() and not args and kwargs.get("unsqueeze_dim", 1) == 1 and set(kwargs) <= {"unsqueeze_dim"}
+                and _rope_applies(q, cos, sin) and _rope_applies(k, cos, sin)):
+            return rope(q, cos, sin), rope(k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.posttrain_original = original
+    return apply_rotary_pos_emb
+
+
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Fused float32 RMSNorm of x (..., D), or None where the kernel does not apply."""
     if not (x.dtype == w.dtype == torch.float32 and _plain_cpu(x, w) and x.numel() and _kernels() is not None):
@@ -98,6 +162,14 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
 
 
 # ------------------------------------------------------------------ module forwards
+def _fused_attention_forward(self, *args, **kwargs):
+    token = _ROPE_ON.set(True)
+    try:
+        return super(type(self), self).forward(*args, **kwargs)
+    finally:
+        _ROPE_ON.reset(token)
+
+
 def _norm_eps(module) -> float | None:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) else None
@@ -125,10 +197,44 @@ def _is_gated_mlp(module) -> bool:
             and type(act).__name__ in ("SiLU", "SiLUActivation"))
 
 
+def _is_rope_attention(module) -> bool:
+    return (type(module).__name__.endswith("Attention") and all(hasattr(module, n) for n in ("q_proj", "k_proj"))
+            and callable(getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)))
+
+
+def _rope_agrees(module, sub: type) -> bool:
+    """Whether the module's `apply_rotary_pos_emb` is HF's formula: the dispatcher (installed in its modeling
+    module on the first agreement) against the module's own function on random float32 and bf16 q, k with
+    float32 cos, sin: values and the gradients of q and k."""
+    home = sys.modules[type(module).__module__]
+    fn = home.apply_rotary_pos_emb
+    original = getattr(fn, "posttrain_original", fn)
+    fused = fn if original is not fn else _rope_dispatch(original)
+    gen = torch.Generator().manual_seed(0)
+    cos, sin = torch.randn(2, 2, 5, 8, generator=gen).unbind(0)
+    token = _ROPE_ON.set(True)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k = (torch.randn(2, h, 5, 8, generator=gen).to(dtype).requires_grad_(True) for h in (3, 1))
+            results = []
+            for f in (original, fused):
+                with torch.enable_grad():
+                    out = f(q, k, cos, sin)
+                    grads = torch.autograd.grad(out, [q, k], [torch.ones_like(o) for o in out])
+                results.append([o.detach() for o in out] + [g.float() for g in grads])
+            if not all(a.shape == b.shape and a.dtype == b.dtype
+                       and bool(((a.float() - b.float()).abs() <= 1e-3 * (1 + a.float().abs().max())).all())
+                       for a, b in zip(*results)):
+                return False
+    except Exception:  # another signature or formula: the module keeps its own
+        return False
+    finally:
+        _ROPE_ON.reset(token)
+    home.apply_rotary_pos_emb = fused
+    return True
+
+
 # ------------------------------------------------------------------ switching a model's classes
-_FORWARDS = ((_is_norm, _fused_norm_forward), (_is_gated_mlp, _fused_mlp_forward))
-
-
 def _agrees(module, sub: type) -> bool:
     """Whether `sub`'s fused forward equals the class's own on random float32 input: values, and gradients
     of the input and the parameters (a formula gate, far above summation-order differences)."""
@@ -152,12 +258,16 @@ def _agrees(module, sub: type) -> bool:
                for a, b in zip(*results))
 
 
-def _subclass(module, forward) -> type | None:
+_FORWARDS = ((_is_norm, _fused_norm_forward, _agrees), (_is_gated_mlp, _fused_mlp_forward, _agrees),
+             (_is_rope_attention, _fused_attention_forward, _rope_agrees))
+
+
+def _subclass(module, forward, agrees) -> type | None:
     cls = type(module)
     if cls not in _SUBCLASSES:
         name = f"Fused{cls.__name__}"
         sub = type(name, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": name})
-        _SUBCLASSES[cls] = sub if _agrees(module, sub) else None
+        _SUBCLASSES[cls] = sub if agrees(module, sub) else None
         if _SUBCLASSES[cls] is not None:
             globals().setdefault(name, sub)  # picklable by name once a model of this class was switched
     return _SUBCLASSES[cls]
@@ -178,8 +288,8 @@ def use_fused_layers(model: torch.nn.Module, enabled: bool = True) -> int:
     for module in model.modules():
         if type(module) in _SUBCLASSES.values():
             continue
-        for test, forward in _FORWARDS:
-            if test(module) and (sub := _subclass(module, forward)) is not None:
+        for test, forward, agrees in _FORWARDS:
+            if test(module) and (sub := _subclass(module, forward, agrees)) is not None:
                 module.__class__ = sub
                 changed += 1
                 break

@@ -93,6 +93,8 @@ torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u);
 std::vector<torch::Tensor> swiglu_bwd(torch::Tensor gh, torch::Tensor g, torch::Tensor u);
 std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> rmsnorm_bwd(torch::Tensor go, torch::Tensor x, torch::Tensor w, torch::Tensor rstd);
+torch::Tensor rope_fwd(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor rope_bwd(torch::Tensor gy, torch::Tensor cos, torch::Tensor sin, bool bf16);
 // the engine's plain sampling rows (sample_kernel.cpp)
 std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms, int64_t chunks);
 bool sample_kernel_available();
@@ -104,6 +106,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_bwd", &swiglu_bwd, "gradients of silu(g) * u: (gg, gu)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "float32 RMSNorm for training: (out, rstd)");
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "float32 RMSNorm gradients: (gx, gw)");
+  m.def("rope_fwd", &rope_fwd, "training RoPE, float32 or bf16 x, float32 cos/sin -> float32 (B, H, T, D)");
+  m.def("rope_bwd", &rope_bwd, "gradient of rope_fwd: float32 gy -> gx in x's dtype");
   m.def("sample_plain", &sample_plain, "inverse-CDF draw from softmax(logits / t): (tokens, log-probs)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

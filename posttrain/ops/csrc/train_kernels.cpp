@@ -184,23 +184,29 @@ RopeShape rope_shape(const torch::Tensor& x, const torch::Tensor& cos, const tor
   return {x.size(0), x.size(1), T, D, x.stride(0), x.stride(1), x.stride(2), cos.size(0) == 1 ? 0 : T * D};
 }
 
-template <typename In>
-void rope_fwd_impl(const In* xp, const float* cp, const float* sp, float* yp, const RopeShape& a) {
-  const int64_t half = a.D / 2;
+// body(c, s, x offset, output offset) for every (b, t, h), in parallel over the (b, t) rows
+template <typename Body>
+void each_head(const RopeShape& a, const float* cp, const float* sp, Body body) {
   at::parallel_for(0, a.B * a.T, std::max<int64_t>(1, kGrain / (a.H * a.D)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / a.T, t = r % a.T;
       const float *c = cp + b * a.cb + t * a.D, *s = sp + b * a.cb + t * a.D;
-      for (int64_t h = 0; h < a.H; ++h) {
-        const In* x = xp + b * a.sb + h * a.sh + t * a.st;
-        float* y = yp + (r * a.H + h) * a.D;
+      for (int64_t h = 0; h < a.H; ++h) body(c, s, b * a.sb + h * a.sh + t * a.st, (r * a.H + h) * a.D);
+    }
+  });
+}
+
+template <typename In>
+void rope_fwd_impl(const In* xp, const float* cp, const float* sp, float* yp, const RopeShape& a) {
+  const int64_t half = a.D / 2;
+  each_head(a, cp, sp, [&](const float* c, const float* s, int64_t in, int64_t out) {
+    const In* x = xp + in;
+    float* y = yp + out;
 #pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float x1 = val(x[d]), x2 = val(x[d + half]);
-          y[d] = x1 * c[d] - x2 * s[d];
-          y[d + half] = x2 * c[d + half] + x1 * s[d + half];
-        }
-      }
+    for (int64_t d = 0; d < half; ++d) {
+      const float x1 = val(x[d]), x2 = val(x[d + half]);
+      y[d] = x1 * c[d] - x2 * s[d];
+      y[d + half] = x2 * c[d + half] + x1 * s[d + half];
     }
   });
 }
@@ -208,24 +214,18 @@ void rope_fwd_impl(const In* xp, const float* cp, const float* sp, float* yp, co
 template <typename Out>
 void rope_bwd_impl(const float* gp, const float* cp, const float* sp, Out* xp, const RopeShape& a) {
   const int64_t half = a.D / 2;
-  at::parallel_for(0, a.B * a.T, std::max<int64_t>(1, kGrain / (a.H * a.D)), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / a.T, t = r % a.T;
-      const float *c = cp + b * a.cb + t * a.D, *s = sp + b * a.cb + t * a.D;
-      for (int64_t h = 0; h < a.H; ++h) {
-        const float* g = gp + b * a.sb + h * a.sh + t * a.st;
-        Out* o = xp + (r * a.H + h) * a.D;
+  each_head(a, cp, sp, [&](const float* c, const float* s, int64_t in, int64_t out) {
+    const float* g = gp + in;
+    Out* o = xp + out;
 #pragma omp simd
-        for (int64_t d = 0; d < half; ++d) {
-          const float g1 = g[d], g2 = g[d + half];
-          if constexpr (std::is_same_v<Out, float>) {
-            o[d] = g1 * c[d] + g2 * s[d + half];
-            o[d + half] = g2 * c[d + half] - g1 * s[d];
-          } else {  // bf16: each path's gradient rounded, then the bf16 sum
-            o[d].x = f2bf(round_bf(g1 * c[d]) + round_bf(g2 * s[d + half]));
-            o[d + half].x = f2bf(round_bf(g2 * c[d + half]) - round_bf(g1 * s[d]));
-          }
-        }
+    for (int64_t d = 0; d < half; ++d) {
+      const float g1 = g[d], g2 = g[d + half];
+      if constexpr (std::is_same_v<Out, float>) {
+        o[d] = g1 * c[d] + g2 * s[d + half];
+        o[d + half] = g2 * c[d + half] - g1 * s[d];
+      } else {  // bf16: each path's gradient rounded, then the bf16 sum
+        o[d].x = f2bf(round_bf(g1 * c[d]) + round_bf(g2 * s[d + half]));
+        o[d + half].x = f2bf(round_bf(g2 * c[d + half]) - round_bf(g1 * s[d]));
       }
     }
   });

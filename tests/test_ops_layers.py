@@ -151,15 +151,16 @@ def hf_cos_sin(B, T, D, base=10000.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,H,Hk,D", [(2, 512, 9, 3, 64), (1, 7, 4, 2, 16), (3, 33, 2, 1, 128)])
-def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D):
+@pytest.mark.parametrize("B,T,H,Hk,D,B_cos", [(2, 512, 9, 3, 64, 2), (1, 7, 4, 2, 16, 1), (3, 33, 2, 1, 128, 3),
+                                             (3, 10, 4, 2, 32, 1)])  # the last: one table for every row
+def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D, B_cos):
     """Values, gradients, dtypes and memory layout equal transformers' apply_rotary_pos_emb exactly: the same
     products, each rounded, then one add (a bf16 q: float32 out, each path's gradient rounded to bf16 first)."""
     from transformers.models.llama import modeling_llama
 
     original = getattr(modeling_llama.apply_rotary_pos_emb, "posttrain_original", modeling_llama.apply_rotary_pos_emb)
     fused = layers._rope_dispatch(original)
-    cos, sin = hf_cos_sin(B, T, D)
+    cos, sin = hf_cos_sin(B_cos, T, D)
     gen = torch.Generator().manual_seed(0)
     q0, k0 = torch.randn(B, T, H * D, generator=gen).to(dtype), torch.randn(B, T, Hk * D, generator=gen).to(dtype)
     results = []

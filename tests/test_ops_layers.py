@@ -122,7 +122,8 @@ def test_every_tiny_family_computes_what_it_computed(name):
     if name in ("tiny-random", "tiny-random-qwen2", "tiny-random-mistral", "tiny-random-qwen3"):
         assert any(type(m).__name__.startswith("Fused") for m in model.modules()), "expected fused layers"
     if "gemma" in name:  # (1 + w) norms and GELU MLPs: none switched (their attention's RoPE is HF's: switched)
-        assert not any(type(m).__name__.startswith("Fused") and "Attention" not in type(m).__name__ for m in model.modules())
+        fused = [type(m).__name__ for m in model.modules() if type(m).__name__.startswith("Fused")]
+        assert fused and all(n.endswith("Attention") for n in fused)
 
 
 def test_switch_round_trip_deepcopy_and_env_off(monkeypatch):
@@ -150,18 +151,26 @@ def hf_cos_sin(B, T, D, base=10000.0):
     return emb.cos().contiguous(), emb.sin().contiguous()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,H,Hk,D,B_cos", [(2, 512, 9, 3, 64, 2), (1, 7, 4, 2, 16, 1), (3, 33, 2, 1, 128, 3),
-                                             (3, 10, 4, 2, 32, 1)])  # the last: one table for every row
-def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D, B_cos):
-    """Values, gradients, dtypes and memory layout equal transformers' apply_rotary_pos_emb exactly: the same
-    products, each rounded, then one add (a bf16 q: float32 out, each path's gradient rounded to bf16 first)."""
+def llama_rope():
     from transformers.models.llama import modeling_llama
 
-    original = getattr(modeling_llama.apply_rotary_pos_emb, "posttrain_original", modeling_llama.apply_rotary_pos_emb)
+    fn = modeling_llama.apply_rotary_pos_emb
+    return getattr(fn, "posttrain_original", fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,Hk,D,B_cos,table", [(2, 512, 9, 3, 64, 2, "hf"), (1, 7, 4, 2, 16, 1, "hf"),
+                                                   (3, 33, 2, 1, 128, 3, "hf"), (3, 10, 4, 2, 32, 1, "hf"),
+                                                   (2, 9, 3, 1, 16, 2, "random"), (3, 6, 2, 2, 8, 1, "random")])
+def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D, B_cos, table):
+    """Values, gradients, dtypes and the output's memory layout equal transformers' apply_rotary_pos_emb exactly:
+    the same products, each rounded, then one add (a bf16 q: float32 out, each path's gradient rounded to bf16
+    first). B_cos = 1: one table for every row; "random" tables have halves that differ (HF's repeat theirs), so
+    a kernel that took the sine of the wrong half would fail here."""
+    original = llama_rope()
     fused = layers._rope_dispatch(original)
-    cos, sin = hf_cos_sin(B_cos, T, D)
     gen = torch.Generator().manual_seed(0)
+    cos, sin = hf_cos_sin(B_cos, T, D) if table == "hf" else torch.randn(2, B_cos, T, D, generator=gen).unbind(0)
     q0, k0 = torch.randn(B, T, H * D, generator=gen).to(dtype), torch.randn(B, T, Hk * D, generator=gen).to(dtype)
     results = []
     for f, on in ((original, False), (fused, True)):
@@ -174,11 +183,40 @@ def test_rope_equals_hf_bit_for_bit(dtype, B, T, H, Hk, D, B_cos):
         gen = torch.Generator().manual_seed(1)
         torch.autograd.backward(out, [torch.randn(o.shape, generator=gen) for o in out])
         results.append([*out, q.grad, k.grad])
-    for a, b in zip(*results):
-        layout = [[st for st, n in zip(t.stride(), t.shape) if n > 1] for t in (a, b)]  # size-1 dims: any stride
-        assert a.dtype == b.dtype and layout[0] == layout[1]
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        if i < 2:  # the outputs (a leaf's .grad takes the leaf's strides whatever backward returned)
+            layout = [[st for st, n in zip(t.stride(), t.shape) if n > 1] for t in (a, b)]  # size-1 dims: any stride
+            assert layout[0] == layout[1]
+    with torch.no_grad():  # no graph: the kernel's forward alone
+        q, k = (x.view(B, T, -1, D).transpose(1, 2) for x in (q0, k0))
+        token = layers._ROPE_ON.set(True)
+        out = fused(q, k, cos, sin)
+        layers._ROPE_ON.reset(token)
+        assert all(torch.equal(a, b) and a.grad_fn is None for a, b in zip(out, original(q, k, cos, sin)))
 
+
+def test_rope_dispatch_passes_other_calls_through():
+    """Any call but the plain (q, k, cos, sin[, unsqueeze_dim=1]) reaches the module's own function unchanged,
+    also inside a fused attention: keywords, k=None (one tensor only), another unsqueeze_dim."""
+    seen = []
+
+    def own(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+        seen.append(unsqueeze_dim)
+        return "own"
+
+    fused = layers._rope_dispatch(own)
+    q, (cos, sin) = torch.randn(1, 2, 3, 8), hf_cos_sin(1, 3, 8)
+    token = layers._ROPE_ON.set(True)
+    try:
+        assert fused(q, cos=cos, sin=sin, unsqueeze_dim=2) == "own"
+        assert fused(q, None, cos, sin) == "own"
+        assert fused(q, q, cos, sin, unsqueeze_dim=2) == "own"
+        assert fused(q, k=q, cos=cos, sin=sin) == "own"
+        assert fused(q, q, cos, sin) != "own"  # the plain call: the kernel
+    finally:
+        layers._ROPE_ON.reset(token)
+    assert seen == [2, 1, 2, 1]
 
 def test_rope_dispatch_only_inside_a_fused_attention():
     """A switched model's attention takes the kernel; a model of the same class that was not switched (TRL's in
@@ -187,7 +225,7 @@ def test_rope_dispatch_only_inside_a_fused_attention():
     from transformers.models.llama import modeling_llama
 
     model, twin = load_model("tiny-random", seed=0, varlen_attention=False), build_tiny("tiny-random", seed=0)
-    assert modeling_llama.apply_rotary_pos_emb.posttrain_original is not None
+    assert modeling_llama.apply_rotary_pos_emb.posttrain_original is llama_rope()
     calls = []
     real = layers.rope
     ids = torch.randint(0, twin.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -201,7 +239,7 @@ def test_rope_dispatch_only_inside_a_fused_attention():
     assert n_model == 2 * model.config.num_hidden_layers and len(calls) == n_model
 
     def casting_rope(q, k, cos, sin, unsqueeze_dim=1):
-        q2, k2 = modeling_llama.apply_rotary_pos_emb.posttrain_original(q, k, cos, sin)
+        q2, k2 = llama_rope()(q, k, cos, sin)
         return q2.to(q.dtype), k2.to(k.dtype)
 
     home = type("module", (), {"apply_rotary_pos_emb": staticmethod(casting_rope)})

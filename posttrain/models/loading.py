@@ -157,7 +157,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     Generation and any other call still use the stock SDPA path. A model on the CPU keeps freed host memory
     in the process (ops/host_memory.py): a training step's large temporaries reuse heap pages; and its
     torch.nn.Linear layers run their fp32 matmuls on oneDNN where MKL is slower (ops/linear.py: not on Intel); its
-    RMSNorm and SiLU-gated MLP layers run fused forward and backward kernels (ops/layers.py).
+    RMSNorm and SiLU-gated MLP layers and the attention's RoPE run fused forward and backward kernels (ops/layers.py).
     """
     model = _build(resolve(name), name, to_dtype(dtype), seed)
     if device is not None:

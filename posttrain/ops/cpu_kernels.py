@@ -32,6 +32,9 @@ _module = None
 _tried = False
 
 
+_BUILD_PROTOCOL = b"flock-1"  # in the name: builders that take no flock (older versions) use other directories
+
+
 def _cpu_tag() -> str:
     """This machine's CPU flags and the shared header (torch hashes the sources it compiles, not what they
     include): a new CPU or a changed header builds afresh."""
@@ -39,7 +42,7 @@ def _cpu_tag() -> str:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes()).hexdigest()[:8]
+    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes() + _BUILD_PROTOCOL).hexdigest()[:8]
 
 
 def load():
@@ -65,22 +68,28 @@ def _build(name: str):
 
     torch guards a build with a `lock` file that a killed build leaves behind, and every later load then
     waits on it forever. An flock, which the kernel drops when its holder dies, serializes our builders
-    instead; whoever holds it knows any `lock` file left in the directory is stale and removes it."""
+    instead; whoever holds it knows any `lock` file left in the directory is stale and removes it. (Every
+    builder of this directory takes the flock: `_BUILD_PROTOCOL` is part of its name.) Where the file system
+    has no flock (some network mounts), the build runs as torch alone runs it."""
     import fcntl
 
     from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
     build_dir = Path(_get_build_directory(name, verbose=False))
+    args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
     with open(build_dir / "posttrain.flock", "w") as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # released on close, or by the kernel if this process dies
+        except OSError:
+            return build(**args)
         stale = build_dir / "lock"
         if stale.exists():
             warnings.warn(f"posttrain: removing {stale}, left by an interrupted build", stacklevel=3)
             stale.unlink(missing_ok=True)
-        return build(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
-                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
+        return build(**args)
 
 
 def _usable(*ts: torch.Tensor) -> bool:

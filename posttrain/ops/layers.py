@@ -104,16 +104,23 @@ class _RoPE(torch.autograd.Function):
         return cpu_kernels.load().rope_bwd(gy, cos, sin, ctx.bf16), None, None
 
 
-def _rope_applies(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    return (x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32
-            and x.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, x.shape[0])
-            and cos.shape[1:] == x.shape[2:] and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and x.numel()
-            and not (cos.requires_grad or sin.requires_grad) and _plain_cpu(x, cos, sin) and _kernels() is not None)
+def _rope_shapes(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """x (B, H, T, D), D even, last dimension contiguous; cos/sin (B | 1, T, D)."""
+    return (x.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[0] in (1, x.shape[0])
+            and cos.shape[1:] == x.shape[2:] and x.shape[-1] % 2 == 0 and x.stride(-1) == 1 and x.numel() > 0)
+
+
+def _rope_applies(x, cos, sin) -> bool:
+    tensors = all(isinstance(t, torch.Tensor) for t in (x, cos, sin))
+    return (tensors and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32
+            and _rope_shapes(x, cos, sin) and not (cos.requires_grad or sin.requires_grad)
+            and _plain_cpu(x, cos, sin) and _kernels() is not None)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """HF's x·cos + rotate_half(x)·sin for x (B, H, T, D) and cos/sin (B | 1, T, D) (float32, the result float32),
-    or None where the kernel does not apply."""
+    """HF's x·cos + rotate_half(x)·sin for x (B, H, T, D) and cos/sin (B | 1, T, D) (float32, the result float32,
+    laid out (B, T, H, D) in memory as the eager ops lay out HF's q, a transposed view), or None where the kernel
+    does not apply. Differentiable once (its backward is not itself differentiable)."""
     if not _rope_applies(x, cos, sin):
         return None
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -123,15 +130,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
 
 
 def _rope_dispatch(original):
-    """A modeling module's `apply_rotary_pos_emb(q, k, cos, sin)` that takes the kernel inside a fused
-    attention's forward, where it applies, and `original` otherwise."""
+    """A modeling module's `apply_rotary_pos_emb` that takes the kernel inside a fused attention's forward for
+    the plain call (q, k, cos, sin[, unsqueeze_dim=1]) where it applies, and `original` for anything else."""
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if (_ROPE_ON.get() and not args and kwargs.get("unsqueeze_dim", 1) == 1 and set(kwargs) <= {"unsqueeze_dim"}
-                and _rope_applies(q, cos, sin) and _rope_applies(k, cos, sin)):
+    def apply_rotary_pos_emb(*args, **kwargs):
+        if (_ROPE_ON.get() and len(args) == 4 and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
+                and _rope_applies(args[0], args[2], args[3]) and _rope_applies(args[1], args[2], args[3])):
+            q, k, cos, sin = args
             return rope(q, cos, sin), rope(k, cos, sin)
-        return original(q, k, cos, sin, *args, **kwargs)
+        return original(*args, **kwargs)
 
     apply_rotary_pos_emb.posttrain_original = original
     return apply_rotary_pos_emb
@@ -202,34 +210,43 @@ def _is_rope_attention(module) -> bool:
             and callable(getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)))
 
 
-def _rope_agrees(module, sub: type) -> bool:
-    """Whether the module's `apply_rotary_pos_emb` is HF's formula: the dispatcher (installed in its modeling
-    module on the first agreement) against the module's own function on random float32 and bf16 q, k with
-    float32 cos, sin: values and the gradients of q and k."""
-    home = sys.modules[type(module).__module__]
-    fn = home.apply_rotary_pos_emb
-    original = getattr(fn, "posttrain_original", fn)
-    fused = fn if original is not fn else _rope_dispatch(original)
+def _rope_exact(original, fused) -> bool:
+    """Whether `fused` (the dispatcher, flag on) gives exactly what `original` gives on random float32 and bf16
+    q, k with float32 cos, sin whose halves differ: values, dtypes and the gradients of q and k under random
+    output gradients. Exact, not close: the kernel is HF's formula with the same roundings, so anything else
+    (another formula, a compiler that fused the products) keeps the module's own function."""
     gen = torch.Generator().manual_seed(0)
     cos, sin = torch.randn(2, 2, 5, 8, generator=gen).unbind(0)
     token = _ROPE_ON.set(True)
     try:
         for dtype in (torch.float32, torch.bfloat16):
             q, k = (torch.randn(2, h, 5, 8, generator=gen).to(dtype).requires_grad_(True) for h in (3, 1))
+            up = [torch.randn(2, h, 5, 8, generator=gen) for h in (3, 1)]
             results = []
             for f in (original, fused):
                 with torch.enable_grad():
                     out = f(q, k, cos, sin)
-                    grads = torch.autograd.grad(out, [q, k], [torch.ones_like(o) for o in out])
-                results.append([o.detach() for o in out] + [g.float() for g in grads])
-            if not all(a.shape == b.shape and a.dtype == b.dtype
-                       and bool(((a.float() - b.float()).abs() <= 1e-3 * (1 + a.float().abs().max())).all())
-                       for a, b in zip(*results)):
+                    grads = torch.autograd.grad(out, [q, k], [u.to(o.dtype) for u, o in zip(up, out)])
+                results.append([*(o.detach() for o in out), *grads])
+            if not all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(*results)):
                 return False
+        return True
     except Exception:  # another signature or formula: the module keeps its own
         return False
     finally:
         _ROPE_ON.reset(token)
+
+
+def _rope_agrees(module, sub: type) -> bool:
+    """Whether the attention module's modeling file computes RoPE as the kernel does; on the first agreement
+    the file's `apply_rotary_pos_emb` becomes the dispatcher (`sub`, whose forward turns it on, is not needed)."""
+    home = sys.modules[type(module).__module__]
+    fn = home.apply_rotary_pos_emb
+    if getattr(fn, "posttrain_original", None) is not None:
+        return True  # installed after an earlier agreement
+    fused = _rope_dispatch(fn)
+    if not _rope_exact(fn, fused):
+        return False
     home.apply_rotary_pos_emb = fused
     return True
 
@@ -274,8 +291,9 @@ def _subclass(module, forward, agrees) -> type | None:
 
 
 def use_fused_layers(model: torch.nn.Module, enabled: bool = True) -> int:
-    """Give the RMSNorm and gated-MLP modules of a CPU model their fused subclasses (enabled=False: back to
-    the original classes); returns how many modules changed. A no-op where the kernels cannot be built."""
+    """Give the RMSNorm, gated-MLP and RoPE attention modules of a CPU model their fused subclasses
+    (enabled=False: back to the original classes); returns how many modules changed. A no-op where the kernels
+    cannot be built."""
     if not enabled:
         fused = set(filter(None, _SUBCLASSES.values()))
         changed = [m for m in model.modules() if type(m) in fused]

@@ -9,7 +9,7 @@
 //                                             y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2; x float32 or bf16, y float32
 //   rope_bwd(gy, cos, sin, bf16) -> gx        the transposed map: gx1 = gy1*c1 + gy2*s2, gx2 = gy2*c2 - gy1*s1
 //
-// float32 only: under bf16 autocast the norms still see float32, and a bf16 SwiGLU pass measured no faster than
+// RMSNorm and SwiGLU: float32 only; under bf16 autocast the norms still see float32, and a bf16 SwiGLU pass measured no faster than
 // the eager ops (2.67 vs 2.41 ms at (1024, 1536)). exp is a Cephes-style polynomial (< 2 ulp) written so the
 // loops vectorize; PyTorch's SLEEF exp differs from it by an ulp at most. RMSNorm's sums run in another order
 // than PyTorch's reductions (a few ulps). Tests bound both (tests/test_ops_layers.py).
@@ -160,6 +160,9 @@ std::vector<torch::Tensor> rmsnorm_bwd(torch::Tensor go, torch::Tensor x, torch:
 // and for a bf16 x the gradient rounds each path's product to bf16 before adding, as autograd does.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
 namespace {
 
 using posttrain_bf16::bf2f;

@@ -227,15 +227,15 @@ def test_rope_dispatch_only_inside_a_fused_attention():
     model, twin = load_model("tiny-random", seed=0, varlen_attention=False), build_tiny("tiny-random", seed=0)
     assert modeling_llama.apply_rotary_pos_emb.posttrain_original is llama_rope()
     calls = []
-    real = layers.rope
+    real = layers._rope_kernel
     ids = torch.randint(0, twin.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     try:
-        layers.rope = lambda *a: calls.append(1) or real(*a)
+        layers._rope_kernel = lambda *a: calls.append(1) or real(*a)
         model(ids)
         n_model = len(calls)
         twin(ids)
     finally:
-        layers.rope = real
+        layers._rope_kernel = real
     assert n_model == 2 * model.config.num_hidden_layers and len(calls) == n_model
 
     def casting_rope(q, k, cos, sin, unsqueeze_dim=1):

@@ -28,7 +28,7 @@ only after its own forward agreed with the fused one, values and gradients, on r
 another formula (Gemma's (1 + w) norm, a GELU MLP) keep theirs. Attention classes get a subclass whose forward
 runs the class's own with the fused RoPE turned on: their modeling module's `apply_rotary_pos_emb` is replaced
 by a dispatcher that takes the kernel only inside such a forward (other models of the same class, TRL's in a
-benchmark say, keep the eager ops) and only after it agreed with the module's own function on random input
+benchmark say, keep the eager ops) and only after it gave exactly the module's own results on random input
 (an interleaved or partial rotary keeps its own). POSTTRAIN_FUSED_LAYERS=0 turns all of it off.
 """
 
@@ -121,9 +121,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor 
     """HF's x·cos + rotate_half(x)·sin for x (B, H, T, D) and cos/sin (B | 1, T, D) (float32, the result float32,
     laid out (B, T, H, D) in memory as the eager ops lay out HF's q, a transposed view), or None where the kernel
     does not apply. Differentiable once (its backward is not itself differentiable)."""
-    if not _rope_applies(x, cos, sin):
-        return None
-    cos, sin = cos.contiguous(), sin.contiguous()
+    return _rope_kernel(x, cos.contiguous(), sin.contiguous()) if _rope_applies(x, cos, sin) else None
+
+
+def _rope_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope` once `_rope_applies` held (cos/sin contiguous): a graph only where x needs gradients."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _RoPE.apply(x, cos, sin)
     return cpu_kernels.load().rope_fwd(x, cos, sin)
@@ -138,7 +140,8 @@ def _rope_dispatch(original):
         if (_ROPE_ON.get() and len(args) == 4 and set(kwargs) <= {"unsqueeze_dim"} and kwargs.get("unsqueeze_dim", 1) == 1
                 and _rope_applies(args[0], args[2], args[3]) and _rope_applies(args[1], args[2], args[3])):
             q, k, cos, sin = args
-            return rope(q, cos, sin), rope(k, cos, sin)
+            cos, sin = cos.contiguous(), sin.contiguous()
+            return _rope_kernel(q, cos, sin), _rope_kernel(k, cos, sin)  # checked above: not again per tensor
         return original(*args, **kwargs)
 
     apply_rotary_pos_emb.posttrain_original = original

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.ops import linear as L
+from tests.bf16_checks import assert_same_bf16_matmul
 
 needs_onednn = pytest.mark.skipif(not L.AVAILABLE, reason="this torch build has no oneDNN (mkldnn) linear")
 
@@ -103,6 +104,79 @@ def test_the_rule_picks_by_vendor_and_obeys_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="POSTTRAIN_FP32_MATMUL"):
         L._prefer_onednn("mkl")
     monkeypatch.setattr(L, "ONEDNN", False)  # the BLAS chosen: the stock op, and no class swap
+    monkeypatch.setattr(L, "BF16_VIA_FP32", False)
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     assert not L.applies(x, w) and type(L.linear(x, w).grad_fn).__name__ != "_LinearBackward"
     assert L.use_onednn_linears(torch.nn.Sequential(torch.nn.Linear(8, 3))) == 0
+
+
+# ---- bf16 matmuls as fp32 GEMMs (Intel without AMX) ------------------------------------------------------------
+
+
+@pytest.fixture
+def bf16_via_fp32(monkeypatch):
+    monkeypatch.setattr(L, "BF16_VIA_FP32", True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_autocast_bf16_linear_as_fp32_gemm_is_autocasts_matmul(bf16_via_fp32, bias):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 70, 96, generator=g, requires_grad=True)
+    w = torch.randn(80, 96, generator=g, requires_grad=True)
+    b = torch.randn(80, generator=g, requires_grad=True) if bias else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = L.linear(x, w, b), F.linear(x, w, b)
+    assert type(y.grad_fn).__name__ == "_Bf16LinearBackward" and y.dtype == torch.bfloat16
+    assert_same_bf16_matmul(y, y_ref)
+    gy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
+    inputs = (x, w) + ((b,) if bias else ())
+    got, want = torch.autograd.grad(y, inputs, gy), torch.autograd.grad(y_ref, inputs, gy)
+    for a, c in zip(got, want):  # ∂x, ∂W, ∂b: bf16 results widened to the fp32 leaves, as autocast's casts do
+        assert a.dtype == c.dtype == torch.float32
+        assert_same_bf16_matmul(a, c)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(L.linear(x, w, b), y.detach())  # no graph, the same numbers
+
+
+def test_bf16_weights_without_autocast_and_the_matmul_helper(bf16_via_fp32):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(33, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16).requires_grad_()
+    y = L.linear(x, w)
+    assert type(y.grad_fn).__name__ == "_Bf16LinearBackward"
+    assert_same_bf16_matmul(y, F.linear(x, w))
+    gx, gw = torch.autograd.grad(y.float().sum(), (x, w))
+    gx_ref, gw_ref = torch.autograd.grad(F.linear(x, w).float().sum(), (x, w))
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    assert_same_bf16_matmul(gx, gx_ref)
+    assert_same_bf16_matmul(gw, gw_ref)
+    a, c = x.detach(), w.detach().t()
+    assert_same_bf16_matmul(L.matmul(a, c), a @ c)
+
+
+def test_bf16_route_leaves_other_calls_alone(bf16_via_fp32):
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    assert not L.bf16_applies(x, w)  # fp32 without autocast
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not L.bf16_applies(x, w)  # another autocast dtype
+    assert not L.bf16_applies(torch.randn(0, 8).bfloat16(), w.bfloat16())
+    assert not L.bf16_applies(x.bfloat16(), w)  # mixed dtypes without autocast: F.linear's own error
+    assert not L.bf16_applies(x.double(), w.double())
+
+
+def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):
+    with pytest.raises(ValueError, match="POSTTRAIN_BF16_MATMUL"):
+        L._prefer_fp32_for_bf16("bf16")
+    assert L._prefer_fp32_for_bf16("fp32") and not L._prefer_fp32_for_bf16("native")
+    monkeypatch.setattr(L, "_mkl_on_intel", lambda: True)
+    monkeypatch.setattr(L, "_amx_usable", lambda: True)
+    assert not L._prefer_fp32_for_bf16("auto")  # AMX: bf16 GEMMs are the fast kind
+    monkeypatch.setattr(L, "_amx_usable", lambda: False)
+    assert L._prefer_fp32_for_bf16("auto")
+    monkeypatch.setattr(L, "_mkl_on_intel", lambda: False)
+    assert not L._prefer_fp32_for_bf16("auto")  # AMD's avx512_bf16: bf16 ~2x fp32
+    monkeypatch.undo()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not L._amx_usable()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    assert L._amx_usable() == bool(torch.cpu._is_amx_tile_supported())

@@ -19,6 +19,24 @@ autocast (under bf16 autocast PyTorch already calls oneDNN). Anything else takes
 and `torch.matmul`, so CUDA, fp64 (gradcheck) and bf16 paths are the stock ones. Both kernels sum in fp32;
 they differ in summation order only (about 1e-6 relative). The rule depends on the machine only, so a run's
 numbers repeat on the same machine.
+
+bf16 matmuls (autocast bf16, or bf16 weights) as fp32 GEMMs where those are faster. A bf16 matmul multiplies
+bf16 operands, sums the products in fp32 and rounds the sum to bf16. The product of two bf16 numbers is exact
+in fp32 (8 + 8 significant bits), so an fp32 GEMM over the same bf16 values, rounded to bf16 at the end, is
+that matmul again, up to the summation order:
+
+    y  = bf16( fp32(bf16 x) · fp32(bf16 W)ᵀ + fp32(bf16 b) )     (autocast: x, W, b cast to bf16 first)
+    ∂x = bf16( fp32(∂y) · fp32(bf16 W) )          -> x's dtype   (autocast's cast backward)
+    ∂W = bf16( fp32(∂y)ᵀ · fp32(bf16 x) )         -> W's dtype
+    ∂b = bf16( Σ_rows fp32(∂y) )                   -> b's dtype
+
+On an Intel Xeon whose AMX is not available (2 threads, oneDNN capped at avx512_core_bf16) oneDNN's bf16
+GEMM ran at 60-115 GFLOP/s against MKL's fp32 at 130-170 for a 135M model's training shapes (1000 × 576 ·
+576 × 1536 and the like): bf16 there is the slower way to compute bf16 numbers. With AMX a bf16 GEMM is ~3-5x
+fp32, and on AMD's avx512_bf16 ~2x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on
+an Intel CPU (MKL the BLAS) without usable AMX (none in /proc/cpuinfo, or oneDNN capped below it by
+ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. The rollout engine's packed linears follow the same
+rule (rollout/runner.py).
 """
 
 from __future__ import annotations
@@ -55,8 +73,24 @@ def _prefer_onednn(choice: str) -> bool:
     return choice == "onednn" or (choice == "auto" and not _mkl_on_intel())
 
 
+def _amx_usable() -> bool:
+    """oneDNN may use AMX here: the CPU has it (torch's cpuinfo) and ONEDNN_MAX_CPU_ISA does not cap below it."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa and isa not in ("ALL", "DEFAULT") and "AMX" not in isa:
+        return False
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def _prefer_fp32_for_bf16(choice: str) -> bool:
+    if choice not in ("auto", "native", "fp32"):
+        raise ValueError(f"POSTTRAIN_BF16_MATMUL must be auto, native or fp32, not {choice!r}")
+    return choice == "fp32" or (choice == "auto" and _mkl_on_intel() and not _amx_usable())
+
+
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
 ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
+BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -66,15 +100,65 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
+def _bf16_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x·Wᵀ is a bf16 matmul: under CPU autocast to bf16 (float32/bf16 operands), or both operands bf16."""
+    if torch.is_autocast_enabled("cpu"):
+        return (torch.get_autocast_dtype("cpu") == torch.bfloat16
+                and x.dtype in (torch.float32, torch.bfloat16) and w.dtype in (torch.float32, torch.bfloat16))
+    return x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+
+
+def bf16_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the bf16 matmul x·Wᵀ runs as an fp32 GEMM here (see the module's docstring)."""
+    return (BF16_VIA_FP32 and x.device.type == "cpu" and w.device.type == "cpu" and type(x) in _PLAIN
+            and type(w) in _PLAIN and x.numel() > 0 and _bf16_operands(x, w))
+
+
+def as_bf16_fp32(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bf16, held in float32 (exact): an fp32 GEMM operand carrying bf16 values."""
+    return t.to(torch.bfloat16).float()
+
+
+def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """(x as bf16 (M, K), W as bf16, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM, autocast off."""
+    xb, wb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w.to(torch.bfloat16)
+    with torch.autocast("cpu", enabled=False):
+        y = F.linear(xb.float(), wb.float(), None if b is None else as_bf16_fp32(b))
+    return xb, wb, y.to(torch.bfloat16).view(*x.shape[:-1], w.shape[0])
+
+
+class _Bf16Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, b):
+        # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
+        xb, wb, y = _bf16_forward(x, w, b)
+        ctx.save_for_backward(xb, wb)  # what autocast keeps: the bf16 operands
+        ctx.lead, ctx.dtypes = x.shape[:-1], (x.dtype, w.dtype, None if b is None else b.dtype)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        xb, wb = ctx.saved_tensors
+        xdt, wdt, bdt = ctx.dtypes
+        gy2 = gy.reshape(-1, gy.shape[-1]).float()
+        with torch.autocast("cpu", enabled=False):
+            gx = (gy2 @ wb.float()).to(torch.bfloat16).to(xdt).view(*ctx.lead, wb.shape[1]) \
+                if ctx.needs_input_grad[0] else None
+            gw = (gy2.t() @ xb.float()).to(torch.bfloat16).to(wdt) if ctx.needs_input_grad[1] else None
+            gb = gy2.sum(0).to(torch.bfloat16).to(bdt) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
 def _onednn(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x2 (M, K) · w (N, K)ᵀ (+ b) on oneDNN; w may be a strided view."""
     return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a (M, K) · b (K, N) -> (M, N): oneDNN where it applies (b as the strided view (bᵀ)ᵀ), else torch.matmul;
-    differentiable."""
-    return linear(a, b.t()) if applies(a, b) else a @ b
+    """a (M, K) · b (K, N) -> (M, N): oneDNN or the bf16-as-fp32 GEMM where either applies (b as the strided
+    view (bᵀ)ᵀ), else torch.matmul; differentiable."""
+    return linear(a, b.t()) if applies(a, b) or bf16_applies(a, b) else a @ b
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +189,15 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """`torch.nn.functional.linear`, differentiable, with its fp32 CPU matmuls on oneDNN where that applies
-    (without a graph when nothing needs a gradient: no autograd node, nothing saved)."""
-    if not (applies(x, w) and (b is None or (b.dtype == torch.float32 and type(b) in _PLAIN))):
+    and its bf16 ones as fp32 GEMMs where that is faster (without a graph when nothing needs a gradient: no
+    autograd node, nothing saved)."""
+    plain_b = b is None or type(b) in _PLAIN
+    graph = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad))
+    if plain_b and bf16_applies(x, w):
+        return _Bf16Linear.apply(x, w, b) if graph else _bf16_forward(x, w, b)[2]
+    if not (applies(x, w) and plain_b and (b is None or b.dtype == torch.float32)):
         return F.linear(x, w, b)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)):
-        return _Linear.apply(x, w, b)
-    return _forward(x, w, b)[1]
+    return _Linear.apply(x, w, b) if graph else _forward(x, w, b)[1]
 
 
 class Linear(torch.nn.Linear):
@@ -123,8 +210,8 @@ class Linear(torch.nn.Linear):
 def use_onednn_linears(model: torch.nn.Module, enabled: bool = True) -> int:
     """Turn every plain torch.nn.Linear of `model` into `Linear` in place (the class only: the parameters,
     hooks and state dict stay), or with enabled=False every `Linear` back; returns how many changed.
-    Turning on is a no-op where oneDNN is not available."""
-    if enabled and not ONEDNN:
+    Turning on is a no-op where neither rule applies (fp32 on MKL, bf16 natively)."""
+    if enabled and not (ONEDNN or BF16_VIA_FP32):
         return 0
     src, dst = (torch.nn.Linear, Linear) if enabled else (Linear, torch.nn.Linear)
     changed = 0

@@ -87,3 +87,23 @@ def test_stale_build_lock_is_removed_not_waited_on():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "left by an interrupted build" in done.stderr
     assert not os.path.exists(lock)
+
+
+@needs_kernels
+def test_bf16_rounding_kernels_equal_torchs_casts():
+    """bf16_split / round_bf16_ round to nearest even exactly as torch's casts, specials included (NaN stays NaN;
+    its payload may differ)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 577, generator=g) * torch.logspace(-42, 38, 577)  # subnormals to near-overflow
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-45])
+    x[1, :4] = torch.tensor([1.00390625, 1.01171875, 1.0 + 2**-9 + 2**-20, -1.00390625])  # ties and just above
+    ref = x.to(torch.bfloat16)
+    xb, xr = K.load().bf16_split(x)
+    assert xb.dtype == torch.bfloat16 and xr.dtype == torch.float32
+    torch.testing.assert_close(xb, ref, rtol=0, atol=0, equal_nan=True)
+    not_nan = ~x.isnan()
+    assert torch.equal(xb.view(torch.int16)[not_nan], ref.view(torch.int16)[not_nan])
+    assert torch.equal(xr.view(torch.int32)[not_nan], ref.float().view(torch.int32)[not_nan])
+    t = x.clone()
+    assert K.load().round_bf16_(t) is t  # in place
+    assert torch.equal(t.view(torch.int32)[not_nan], ref.float().view(torch.int32)[not_nan]) and t[0, 0].isnan()

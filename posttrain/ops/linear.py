@@ -46,6 +46,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from posttrain.ops import cpu_kernels
+
 _POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -119,12 +121,51 @@ def as_bf16_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
+def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t as bf16, the same values as float32): one pass for a contiguous float32 CPU tensor (cpu_kernels)."""
+    if t.dtype == torch.bfloat16:
+        return t, t.float()
+    kernels = cpu_kernels.load() if t.dtype == torch.float32 and t.is_contiguous() else None
+    if kernels is None:
+        tb = t.to(torch.bfloat16)
+        return tb, tb.float()
+    return tuple(kernels.bf16_split(t))
+
+
+def _round_to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 GEMM result rounded to bf16, in `dtype` (float32 rounded in place where the kernel runs)."""
+    if dtype == torch.float32 and t.is_contiguous() and (kernels := cpu_kernels.load()) is not None:
+        return kernels.round_bf16_(t)
+    return t.to(torch.bfloat16).to(dtype)
+
+
+class _Widened:
+    """`_split` of the last tensor asked for: q/k/v (and gate/up) projections read the same input, forward and
+    backward, so it is cast once, not per projection. One entry (the tensor, its version, the split), replaced
+    whole, so threads sharing it never read another tensor's split."""
+
+    def __init__(self):
+        self.entry = None
+
+    def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.entry
+        if entry is not None and entry[0] is t and entry[1] == t._version:
+            return entry[2]
+        split = _split(t)
+        self.entry = (t, t._version, split)
+        return split
+
+
+_FORWARD_INPUT, _SAVED_INPUT = _Widened(), _Widened()
+
+
 def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """(x as bf16 (M, K), W as bf16, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM, autocast off."""
-    xb, wb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w.to(torch.bfloat16)
+    """(x as bf16 (..., K), W as bf16, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM, autocast off."""
+    xb, xr = _FORWARD_INPUT(x)
+    wb, wr = _split(w)
     with torch.autocast("cpu", enabled=False):
-        y = F.linear(xb.float(), wb.float(), None if b is None else as_bf16_fp32(b))
-    return xb, wb, y.to(torch.bfloat16).view(*x.shape[:-1], w.shape[0])
+        y = F.linear(xr, wr, None if b is None else as_bf16_fp32(b))
+    return xb, wb, y.to(torch.bfloat16)
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -133,7 +174,7 @@ class _Bf16Linear(torch.autograd.Function):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
         xb, wb, y = _bf16_forward(x, w, b)
         ctx.save_for_backward(xb, wb)  # what autocast keeps: the bf16 operands
-        ctx.lead, ctx.dtypes = x.shape[:-1], (x.dtype, w.dtype, None if b is None else b.dtype)
+        ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return y
 
     @staticmethod
@@ -143,9 +184,9 @@ class _Bf16Linear(torch.autograd.Function):
         xdt, wdt, bdt = ctx.dtypes
         gy2 = gy.reshape(-1, gy.shape[-1]).float()
         with torch.autocast("cpu", enabled=False):
-            gx = (gy2 @ wb.float()).to(torch.bfloat16).to(xdt).view(*ctx.lead, wb.shape[1]) \
-                if ctx.needs_input_grad[0] else None
-            gw = (gy2.t() @ xb.float()).to(torch.bfloat16).to(wdt) if ctx.needs_input_grad[1] else None
+            gx = _round_to(gy2 @ wb.float(), xdt).view(*xb.shape[:-1], wb.shape[1]) if ctx.needs_input_grad[0] else None
+            gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
+                if ctx.needs_input_grad[1] else None
             gb = gy2.sum(0).to(torch.bfloat16).to(bdt) if ctx.needs_input_grad[2] else None
         return gx, gw, gb
 

@@ -95,6 +95,8 @@ std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double 
 std::vector<torch::Tensor> rmsnorm_bwd(torch::Tensor go, torch::Tensor x, torch::Tensor w, torch::Tensor rstd);
 torch::Tensor rope_fwd(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor rope_bwd(torch::Tensor gy, torch::Tensor cos, torch::Tensor sin, bool bf16);
+std::vector<torch::Tensor> bf16_split(torch::Tensor x);
+torch::Tensor round_bf16_(torch::Tensor t);
 // the engine's plain sampling rows (sample_kernel.cpp)
 std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms, int64_t chunks);
 bool sample_kernel_available();
@@ -108,6 +110,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "float32 RMSNorm gradients: (gx, gw)");
   m.def("rope_fwd", &rope_fwd, "training RoPE, float32 or bf16 x, float32 cos/sin -> float32 (B, H, T, D)");
   m.def("rope_bwd", &rope_bwd, "gradient of rope_fwd: float32 gy -> gx in x's dtype");
+  m.def("bf16_split", &bf16_split, "float32 x -> (its bf16 cast, those values as float32), one pass");
+  m.def("round_bf16_", &round_bf16_, "float32 t rounded to bf16 precision in place");
   m.def("sample_plain", &sample_plain, "inverse-CDF draw from softmax(logits / t): (tokens, log-probs)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

@@ -8,6 +8,8 @@
 //   rope_fwd(x, cos, sin) -> y                HF's x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1):
 //                                             y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2; x float32 or bf16, y float32
 //   rope_bwd(gy, cos, sin, bf16) -> gx        the transposed map: gx1 = gy1*c1 + gy2*s2, gx2 = gy2*c2 - gy1*s1
+//   bf16_split(x) -> (xb, xr)                 float32 x -> bf16 cast and its float32 widening, one pass
+//   round_bf16_(t)                            float32 t rounded to bf16 precision in place
 //
 // RMSNorm and SwiGLU: float32 only; under bf16 autocast the norms still see float32, and a bf16 SwiGLU pass measured no faster than
 // the eager ops (2.67 vs 2.41 ms at (1024, 1536)). exp is a Cephes-style polynomial (< 2 ulp) written so the
@@ -262,3 +264,35 @@ torch::Tensor rope_bwd(torch::Tensor gy, torch::Tensor cos, torch::Tensor sin, b
   return gx;
 }
 #pragma GCC pop_options
+
+// ---------------------------------------------------------------- bf16 rounding for fp32 GEMMs over bf16 values
+// bf16_split(x) -> (xb, xr)   x float32 -> its bf16 cast xb and the same values widened to float32 xr, one pass
+// round_bf16_(t)             float32 t rounded to bf16's precision in place (t.to(bf16).float() without a copy)
+// Both round to nearest even with NaN -> 0x7fc0, as c10::BFloat16 does: the results equal torch's casts bit for bit.
+std::vector<torch::Tensor> bf16_split(torch::Tensor x) {
+  check_f32(x, "x");
+  auto xb = torch::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  auto xr = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  uint16_t* b = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  float* r = xr.data_ptr<float>();
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint16_t h = posttrain_bf16::f2bf(src[i]);
+      b[i] = h;
+      r[i] = posttrain_bf16::bf2f(h);
+    }
+  });
+  return {xb, xr};
+}
+
+torch::Tensor round_bf16_(torch::Tensor t) {
+  check_f32(t, "t");
+  float* p = t.data_ptr<float>();
+  at::parallel_for(0, t.numel(), kGrain, [&](int64_t lo, int64_t hi) {
+#pragma omp simd
+    for (int64_t i = lo; i < hi; ++i) p[i] = posttrain_bf16::round_bf(p[i]);
+  });
+  return t;
+}

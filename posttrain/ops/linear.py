@@ -1,4 +1,5 @@
-"""fp32 matmuls of CPU training on oneDNN instead of the BLAS behind `torch.matmul`, where that is faster.
+"""CPU training matmuls on the faster kernel: fp32 ones on oneDNN or the BLAS behind `torch.matmul`, bf16 ones
+natively or as fp32 GEMMs, each chosen by the machine.
 
 PyTorch sends a float32 CPU matmul to its BLAS (MKL in the x86 wheels) and only bf16/fp16 ones to oneDNN.
 MKL's fast code paths are Intel's own: on an AMD EPYC (2 threads) a 2048³ fp32 matmul ran at 133 GFLOP/s
@@ -35,8 +36,8 @@ GEMM ran at 60-115 GFLOP/s against MKL's fp32 at 130-170 for a 135M model's trai
 576 × 1536 and the like): bf16 there is the slower way to compute bf16 numbers. With AMX a bf16 GEMM is ~3-5x
 fp32, and on AMD's avx512_bf16 ~2x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on
 an Intel CPU (MKL the BLAS) without usable AMX (none in /proc/cpuinfo, or oneDNN capped below it by
-ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. The rollout engine's packed linears follow the same
-rule (rollout/runner.py).
+ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. The rollout engine keeps its bf16 packed weights: a
+decode step reads every weight, and fp32 copies (twice the bytes) measured slower there.
 """
 
 from __future__ import annotations

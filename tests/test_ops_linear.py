@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.ops import linear as L
-from tests.bf16_checks import assert_same_bf16_matmul
 
 needs_onednn = pytest.mark.skipif(not L.AVAILABLE, reason="this torch build has no oneDNN (mkldnn) linear")
 
@@ -113,6 +112,31 @@ def test_the_rule_picks_by_vendor_and_obeys_the_switch(monkeypatch):
 # ---- bf16 matmuls as fp32 GEMMs (Intel without AMX) ------------------------------------------------------------
 
 
+def assert_same_bf16_matmul(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor, k: int) -> None:
+    """got, want: the same bf16 matmul by two kernels, each an fp32 sum of the exact products of bf16 operands
+    rounded to bf16 once; `terms` = Σ|products| per element (float64), k products (+ bias) per sum.
+
+    Bound: the two fp32 sums differ by at most δ = 2·γ_k·terms (γ_k = k·u/(1 − k·u), u = 2^-24, any order), and
+    each rounding to bf16 moves a value by at most 2^-8 of it, so |got − want| <= δ + 2^-8·(|got| + |want|)·(1 + 2^-7).
+    Share: a sum rounds differently only if a bf16 rounding boundary lies within δ of it, so the share of elements
+    that differ is at most mean(min(1, 2δ / ulp)), plus a binomial margin. Operands multiplied unrounded (fp32
+    values) would move about half of all elements."""
+    assert got.dtype == want.dtype
+    u = 2.0**-24
+    delta = 2 * (k * u / (1 - k * u)) * terms
+    g, w = got.double(), want.double()
+    assert ((g - w).abs() <= delta + 2.0**-8 * (g.abs() + w.abs()) * (1 + 2.0**-7)).all()
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(w)[1] - 8)  # bf16's step at |want|: 2^(e-8), w = m·2^e
+    expected = (2 * delta / ulp).clamp(max=1).mean().item()
+    share = (g != w).double().mean().item()
+    assert share <= expected + 3 * (expected / g.numel()) ** 0.5, (share, expected)
+
+
+def _abs_bf16(t: torch.Tensor) -> torch.Tensor:
+    """|t| of t's bf16 values, float64 (a bound's terms)."""
+    return t.detach().to(torch.bfloat16).double().abs()
+
+
 @pytest.fixture
 def bf16_via_fp32(monkeypatch):
     monkeypatch.setattr(L, "BF16_VIA_FP32", True)
@@ -127,13 +151,18 @@ def test_autocast_bf16_linear_as_fp32_gemm_is_autocasts_matmul(bf16_via_fp32, bi
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y, y_ref = L.linear(x, w, b), F.linear(x, w, b)
     assert type(y.grad_fn).__name__ == "_Bf16LinearBackward" and y.dtype == torch.bfloat16
-    assert_same_bf16_matmul(y, y_ref)
+    ax, aw = _abs_bf16(x).reshape(-1, 96), _abs_bf16(w)
+    terms = ax @ aw.t() + (0 if b is None else _abs_bf16(b))
+    assert_same_bf16_matmul(y.reshape(-1, 80), y_ref.reshape(-1, 80), terms, 96 + bias)
     gy = torch.randn(y.shape, generator=g).to(torch.bfloat16)
     inputs = (x, w) + ((b,) if bias else ())
     got, want = torch.autograd.grad(y, inputs, gy), torch.autograd.grad(y_ref, inputs, gy)
-    for a, c in zip(got, want):  # ∂x, ∂W, ∂b: bf16 results widened to the fp32 leaves, as autocast's casts do
-        assert a.dtype == c.dtype == torch.float32
-        assert_same_bf16_matmul(a, c)
+    assert all(a.dtype == c.dtype == torch.float32 for a, c in zip(got, want))  # widened to the fp32 leaves
+    agy = _abs_bf16(gy).reshape(-1, 80)
+    assert_same_bf16_matmul(got[0].reshape(-1, 96), want[0].reshape(-1, 96), agy @ aw, 80)  # ∂x = ∂y·W
+    assert_same_bf16_matmul(got[1], want[1], agy.t() @ ax, agy.shape[0])  # ∂W = ∂yᵀ·x
+    if bias:
+        assert_same_bf16_matmul(got[2], want[2], agy.sum(0), agy.shape[0])  # ∂b = Σ_rows ∂y
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(L.linear(x, w, b), y.detach())  # no graph, the same numbers
 
@@ -144,14 +173,15 @@ def test_bf16_weights_without_autocast_and_the_matmul_helper(bf16_via_fp32):
     w = torch.randn(40, 64, generator=g).to(torch.bfloat16).requires_grad_()
     y = L.linear(x, w)
     assert type(y.grad_fn).__name__ == "_Bf16LinearBackward"
-    assert_same_bf16_matmul(y, F.linear(x, w))
-    gx, gw = torch.autograd.grad(y.float().sum(), (x, w))
+    ax, aw = _abs_bf16(x), _abs_bf16(w)
+    assert_same_bf16_matmul(y, F.linear(x, w), ax @ aw.t(), 64)
+    gx, gw = torch.autograd.grad(y.float().sum(), (x, w))  # ∂y = 1
     gx_ref, gw_ref = torch.autograd.grad(F.linear(x, w).float().sum(), (x, w))
     assert gx.dtype == gw.dtype == torch.bfloat16
-    assert_same_bf16_matmul(gx, gx_ref)
-    assert_same_bf16_matmul(gw, gw_ref)
+    assert_same_bf16_matmul(gx, gx_ref, torch.ones(33, 40, dtype=torch.float64) @ aw, 40)
+    assert_same_bf16_matmul(gw, gw_ref, torch.ones(40, 33, dtype=torch.float64) @ ax, 33)
     a, c = x.detach(), w.detach().t()
-    assert_same_bf16_matmul(L.matmul(a, c), a @ c)
+    assert_same_bf16_matmul(L.matmul(a, c), a @ c, ax @ aw.t(), 64)
 
 
 def test_bf16_route_leaves_other_calls_alone(bf16_via_fp32):

@@ -117,11 +117,6 @@ def bf16_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and type(w) in _PLAIN and x.numel() > 0 and _bf16_operands(x, w))
 
 
-def as_bf16_fp32(t: torch.Tensor) -> torch.Tensor:
-    """t rounded to bf16, held in float32 (exact): an fp32 GEMM operand carrying bf16 values."""
-    return t.to(torch.bfloat16).float()
-
-
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(t as bf16, the same values as float32): one pass for a contiguous float32 CPU tensor (cpu_kernels)."""
     if t.dtype == torch.bfloat16:
@@ -165,7 +160,7 @@ def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     xb, xr = _FORWARD_INPUT(x)
     wb, wr = _split(w)
     with torch.autocast("cpu", enabled=False):
-        y = F.linear(xr, wr, None if b is None else as_bf16_fp32(b))
+        y = F.linear(xr, wr, None if b is None else _split(b)[1])
     return xb, wb, y.to(torch.bfloat16)
 
 
@@ -188,7 +183,7 @@ class _Bf16Linear(torch.autograd.Function):
             gx = _round_to(gy2 @ wb.float(), xdt).view(*xb.shape[:-1], wb.shape[1]) if ctx.needs_input_grad[0] else None
             gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
                 if ctx.needs_input_grad[1] else None
-            gb = gy2.sum(0).to(torch.bfloat16).to(bdt) if ctx.needs_input_grad[2] else None
+            gb = _round_to(gy2.sum(0), bdt) if ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 

@@ -140,6 +140,7 @@ def _abs_bf16(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture
 def bf16_via_fp32(monkeypatch):
     monkeypatch.setattr(L, "BF16_VIA_FP32", True)
+    monkeypatch.setattr(L, "MIN_ROWS", 1)  # small shapes take the route too
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -192,6 +193,29 @@ def test_bf16_route_leaves_other_calls_alone(bf16_via_fp32):
     assert not L.bf16_applies(torch.randn(0, 8).bfloat16(), w.bfloat16())
     assert not L.bf16_applies(x.bfloat16(), w)  # mixed dtypes without autocast: F.linear's own error
     assert not L.bf16_applies(x.double(), w.double())
+
+
+def test_bf16_route_takes_only_matmuls_of_many_rows(monkeypatch):
+    monkeypatch.setattr(L, "BF16_VIA_FP32", True)  # MIN_ROWS as shipped
+    w = torch.randn(3, 8).bfloat16()
+    assert not L.bf16_applies(torch.randn(4, 8).bfloat16(), w)  # decoding: native bf16
+    assert not L.bf16_applies(torch.randn(2, L.MIN_ROWS // 2 - 1, 8).bfloat16(), w)
+    assert L.bf16_applies(torch.randn(2, L.MIN_ROWS // 2, 8).bfloat16(), w)  # rows = all dims but the last
+    assert not L.bf16_applies(torch.randn(8).bfloat16(), w)
+
+
+def test_bf16_route_under_inference_mode(bf16_via_fp32):
+    """Inference tensors have no version counter: the shared-input cast is not kept for them (it raised)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 16, generator=g).bfloat16(), torch.randn(6, 16, generator=g).bfloat16()
+    with torch.no_grad():
+        want = L.linear(x, w)
+    with torch.inference_mode():
+        xi = x.clone()
+        got = L.linear(xi, w)
+        xi.mul_(2)  # changed in place, untracked: must not reuse the first cast
+        got2 = L.linear(xi, w)
+    assert torch.equal(got, want) and torch.equal(got2, L.linear(x * 2, w))
 
 
 def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):

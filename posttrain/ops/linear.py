@@ -36,8 +36,11 @@ GEMM ran at 60-115 GFLOP/s against MKL's fp32 at 130-170 for a 135M model's trai
 576 × 1536 and the like): bf16 there is the slower way to compute bf16 numbers. With AMX a bf16 GEMM is ~3-5x
 fp32, and on AMD's avx512_bf16 ~2x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on
 an Intel CPU (MKL the BLAS) without usable AMX (none in /proc/cpuinfo, or oneDNN capped below it by
-ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. The rollout engine keeps its bf16 packed weights: a
-decode step reads every weight, and fp32 copies (twice the bytes) measured slower there.
+ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. Only for matmuls of at least MIN_ROWS rows: a few rows
+(decoding) read each weight once for little arithmetic, so the fp32 copy (twice the bytes, widened per call)
+costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
+32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
+bf16 packed weights for the same reason.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ def _prefer_fp32_for_bf16(choice: str) -> bool:
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
 ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
 BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
+MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -114,7 +118,7 @@ def _bf16_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
 def bf16_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the bf16 matmul x·Wᵀ runs as an fp32 GEMM here (see the module's docstring)."""
     return (BF16_VIA_FP32 and x.device.type == "cpu" and w.device.type == "cpu" and type(x) in _PLAIN
-            and type(w) in _PLAIN and x.numel() > 0 and _bf16_operands(x, w))
+            and type(w) in _PLAIN and x.numel() >= MIN_ROWS * max(x.shape[-1], 1) > 0 and _bf16_operands(x, w))
 
 
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +148,8 @@ class _Widened:
         self.entry = None
 
     def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if t.is_inference():  # no version counter to tell a changed tensor: not kept
+            return _split(t)
         entry = self.entry
         if entry is not None and entry[0] is t and entry[1] == t._version:
             return entry[2]

@@ -49,6 +49,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from posttrain.ops import cpu_kernels
 
@@ -161,32 +163,71 @@ class _Widened:
 _FORWARD_INPUT, _SAVED_INPUT = _Widened(), _Widened()
 
 
+class _WeightCasts:
+    """fp32(bf16(W)) of the weights being trained (leaves that require grad), kept while W is unchanged: dropped
+    after every step of any torch optimizer (a global step hook: fused AdamW writes the weights without moving
+    their version counters) and not used once W's version moved (other in-place writes). The micro-batches of
+    a step, its no-grad passes (old log-probs, probes) and the backward then widen each weight once, not per
+    call: the forward saves this float32 copy, not a bf16 one to widen again. At most one float32 copy of the
+    trained weights lives. Writes through `.data` move no version: call `clear_weight_casts()` after them (as
+    autocast's own cast cache, it assumes weights change by optimizer steps or tracked in-place ops)."""
+
+    def __init__(self):
+        self.entries = WeakIdKeyDictionary()  # tensor -> (version, fp32 widened); a Tensor's == is elementwise
+
+    def __call__(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W to save for the backward: its cached float32 widening, or bf16 where not kept, W widened)."""
+        if not (w.requires_grad and w.is_leaf) or w.is_inference():
+            return _split(w)
+        hit = self.entries.get(w)
+        if hit is not None and hit[0] == w._version:
+            return hit[1], hit[1]
+        wr = _split(w)[1]
+        self.entries[w] = (w._version, wr)
+        return wr, wr
+
+    def clear(self) -> None:
+        self.entries = WeakIdKeyDictionary()
+
+
+_WEIGHTS = _WeightCasts()
+
+
+def clear_weight_casts(*_) -> None:
+    """Drop the kept float32 widenings of trained weights (after every optimizer step: they changed)."""
+    _WEIGHTS.clear()
+
+
+register_optimizer_step_post_hook(clear_weight_casts)
+
+
 def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """(x as bf16 (..., K), W as bf16, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM, autocast off."""
+    """(x as bf16 (..., K), W to save (bf16, or its kept float32 widening), y = bf16(x·Wᵀ + b) shaped (..., N))
+    through an fp32 GEMM, autocast off."""
     xb, xr = _FORWARD_INPUT(x)
-    wb, wr = _split(w)
+    ws, wr = _WEIGHTS(w)
     with torch.autocast("cpu", enabled=False):
         y = F.linear(xr, wr, None if b is None else _split(b)[1])
-    return xb, wb, y.to(torch.bfloat16)
+    return xb, ws, y.to(torch.bfloat16)
 
 
 class _Bf16Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
-        xb, wb, y = _bf16_forward(x, w, b)
-        ctx.save_for_backward(xb, wb)  # what autocast keeps: the bf16 operands
+        xb, ws, y = _bf16_forward(x, w, b)
+        ctx.save_for_backward(xb, ws)  # the bf16 operands (W's widening where kept: the same values)
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy):
-        xb, wb = ctx.saved_tensors
+        xb, ws = ctx.saved_tensors
         xdt, wdt, bdt = ctx.dtypes
         gy2 = gy.reshape(-1, gy.shape[-1]).float()
         with torch.autocast("cpu", enabled=False):
-            gx = _round_to(gy2 @ wb.float(), xdt).view(*xb.shape[:-1], wb.shape[1]) if ctx.needs_input_grad[0] else None
+            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ws.shape[1]) if ctx.needs_input_grad[0] else None
             gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
                 if ctx.needs_input_grad[1] else None
             gb = _round_to(gy2.sum(0), bdt) if ctx.needs_input_grad[2] else None

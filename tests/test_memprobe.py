@@ -76,3 +76,26 @@ def test_sft_plan_uses_the_measured_activations(tmp_path):
                      f"output_dir={out}", "progress=false"]) == 0
     pred = json.loads((out / "plan.json").read_text())["predicted"]
     assert pred["activation_source"] == "measured" and pred["activation_bytes"] > 0
+
+
+def test_small_probe_passes_hold_what_a_full_size_bf16_route_step_holds(monkeypatch):
+    """Where bf16 matmuls run as fp32 GEMMs (ops.linear) only from MIN_ROWS rows on, the probe's small passes
+    take that route too, so the fit predicts a full-size step (its saved float32 weight widening included)."""
+    from posttrain.ops import linear as L
+
+    monkeypatch.setattr(L, "BF16_VIA_FP32", True)
+    w = torch.nn.Parameter(torch.randn(1024, 512))
+
+    def make_step(n):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return L.linear(torch.randn(n, 512), w).float().sum()
+        return n, step
+
+    model = torch.nn.ParameterList([w])
+    fit = activation_fit(model, make_step, sizes=(32, 96))
+    assert fit is not None
+    big = make_step(4 * L.MIN_ROWS)
+    measured = [pass_bytes(model, big[1]) for _ in range(2)][-1]  # the second: ops.linear's one-entry cast
+    # cache then holds another input's split of this size, as in a run's steps
+    assert fit["fixed"] + fit["per_token"] * big[0] == pytest.approx(measured, rel=0.05)

@@ -45,12 +45,11 @@ bf16 packed weights for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from posttrain.ops import cpu_kernels
 
@@ -123,6 +122,18 @@ def bf16_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
             and type(w) in _PLAIN and x.numel() >= MIN_ROWS * max(x.shape[-1], 1) > 0 and _bf16_operands(x, w))
 
 
+@contextlib.contextmanager
+def route_any_rows():
+    """bf16 matmuls of any number of rows take the fp32-GEMM route where it applies, inside the block: a
+    small probe pass (the planner's memory probe) then holds what the full-size step will hold."""
+    global MIN_ROWS
+    saved, MIN_ROWS = MIN_ROWS, 1
+    try:
+        yield
+    finally:
+        MIN_ROWS = saved
+
+
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(t as bf16, the same values as float32): one pass for a contiguous float32 CPU tensor (cpu_kernels)."""
     if t.dtype == torch.bfloat16:
@@ -163,52 +174,20 @@ class _Widened:
 _FORWARD_INPUT, _SAVED_INPUT = _Widened(), _Widened()
 
 
-class _WeightCasts:
-    """fp32(bf16(W)) of the weights being trained (leaves that require grad), kept while W is unchanged: dropped
-    after every step of any torch optimizer (a global step hook: fused AdamW writes the weights without moving
-    their version counters) and not used once W's version moved (other in-place writes). The micro-batches of
-    a step, its no-grad passes (old log-probs, probes) and the backward then widen each weight once, not per
-    call: the forward saves this float32 copy, not a bf16 one to widen again. At most one float32 copy of the
-    trained weights lives. Writes through `.data` move no version: call `clear_weight_casts()` after them (as
-    autocast's own cast cache, it assumes weights change by optimizer steps or tracked in-place ops)."""
-
-    def __init__(self):
-        self.entries = WeakIdKeyDictionary()  # tensor -> (version, fp32 widened); a Tensor's == is elementwise
-
-    def __call__(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W to save for the backward: its cached float32 widening, or bf16 where not kept, W widened)."""
-        if not (w.requires_grad and w.is_leaf) or w.is_inference():
-            return _split(w)
-        hit = self.entries.get(w)
-        if hit is not None and hit[0] == w._version:
-            return hit[1], hit[1]
-        wr = _split(w)[1]
-        self.entries[w] = (w._version, wr)
-        return wr, wr
-
-    def clear(self) -> None:
-        self.entries = WeakIdKeyDictionary()
-
-
-_WEIGHTS = _WeightCasts()
-
-
-def clear_weight_casts(*_) -> None:
-    """Drop the kept float32 widenings of trained weights (after every optimizer step: they changed)."""
-    _WEIGHTS.clear()
-
-
-register_optimizer_step_post_hook(clear_weight_casts)
+def forget_casts() -> None:
+    """Drop the kept input casts (a memory probe's pass then neither frees nor keeps another pass's)."""
+    _FORWARD_INPUT.entry = _SAVED_INPUT.entry = None
 
 
 def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
-    """(x as bf16 (..., K), W to save (bf16, or its kept float32 widening), y = bf16(x·Wᵀ + b) shaped (..., N))
-    through an fp32 GEMM, autocast off."""
+    """(x as bf16 (..., K), W's bf16 values to save, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM,
+    autocast off. A trained weight's values are saved widened (float32, as the GEMMs take them): the backward
+    does not widen them again, for twice the bytes of a bf16 copy until then; a frozen one's stay bf16."""
     xb, xr = _FORWARD_INPUT(x)
-    ws, wr = _WEIGHTS(w)
+    wb, wr = _split(w)
     with torch.autocast("cpu", enabled=False):
         y = F.linear(xr, wr, None if b is None else _split(b)[1])
-    return xb, ws, y.to(torch.bfloat16)
+    return xb, wr if w.requires_grad else wb, y.to(torch.bfloat16)
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -216,7 +195,7 @@ class _Bf16Linear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
         xb, ws, y = _bf16_forward(x, w, b)
-        ctx.save_for_backward(xb, ws)  # the bf16 operands (W's widening where kept: the same values)
+        ctx.save_for_backward(xb, ws)  # what autocast keeps: the bf16 operands (W's maybe widened)
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return y
 

@@ -4,8 +4,8 @@ The planner's closed form for activations (plan.cost.activation_bytes) counts th
 saves for backward. What a real step holds differs by precision and by what is trained: under bf16
 autocast the norms and the residual stream stay fp32 while every linear saves a bf16 copy of its input;
 under LoRA a frozen linear saves no input at all but each use of a frozen weight saves its own bf16 cast
-(autocast caches casts only of weights that require grad); backward adds the gradients of a layer's
-activations on top. Rather than a table per case, a recipe that holds its model measures it:
+(autocast caches casts only of weights that require grad; where bf16 matmuls run as fp32 GEMMs, ops.linear,
+a trained weight's float32 widening); backward adds the gradients of a layer's activations on top. Rather than a table per case, a recipe that holds its model measures it:
 
     bytes(T) = fixed + per_token · T        (T = tokens in one forward/backward)
 
@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from posttrain.ops.host_memory import release_freed_memory
+from posttrain.ops.linear import forget_casts, route_any_rows
 
 
 def peak_allocated(fn: Callable[[], None]) -> int:
@@ -49,9 +50,11 @@ def pass_bytes(model: torch.nn.Module, step: Callable[[], torch.Tensor]) -> int:
     fresh = [p for p in model.parameters() if p.requires_grad and p.grad is None]
     for p in fresh:
         p.grad = torch.zeros_like(p)
+    forget_casts()
     try:
         return peak_allocated(lambda: step().backward())
     finally:
+        forget_casts()
         for p in fresh:
             p.grad = None
 
@@ -63,7 +66,8 @@ def activation_fit(model: torch.nn.Module, make_step: Callable[[int], tuple[int,
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
     (t1, s1), (t2, s2) = make_step(sizes[0]), make_step(sizes[1])
-    b1, b2 = pass_bytes(model, s1), pass_bytes(model, s2)
+    with route_any_rows():  # both passes take the matmul path of a full-size step (ops.linear.MIN_ROWS)
+        b1, b2 = pass_bytes(model, s1), pass_bytes(model, s2)
     gc.collect()  # the profiler's event records sit in reference cycles
     release_freed_memory()  # the probe's blocks would otherwise stay in the heap beside the run's own
     if t2 <= t1 or b2 <= b1:

@@ -3,6 +3,7 @@ where they apply, and only on machines where the rule picks oneDNN (the kernel t
 
 import copy
 import pickle
+import threading
 
 import pytest
 import torch
@@ -202,6 +203,14 @@ def test_bf16_route_takes_only_matmuls_of_many_rows(monkeypatch):
     assert not L.bf16_applies(torch.randn(2, L.MIN_ROWS // 2 - 1, 8).bfloat16(), w)
     assert L.bf16_applies(torch.randn(2, L.MIN_ROWS // 2, 8).bfloat16(), w)  # rows = all dims but the last
     assert not L.bf16_applies(torch.randn(8).bfloat16(), w)
+    small = torch.randn(4, 8).bfloat16()
+    seen = []
+    with L.route_any_rows():
+        assert L.bf16_applies(small, w)
+        thread = threading.Thread(target=lambda: seen.append(L.bf16_applies(small, w)))
+        thread.start()
+        thread.join()
+    assert seen == [False] and not L.bf16_applies(small, w)  # this thread's block only, and undone after it
 
 
 def test_bf16_route_under_inference_mode(bf16_via_fp32):
@@ -216,6 +225,14 @@ def test_bf16_route_under_inference_mode(bf16_via_fp32):
         xi.mul_(2)  # changed in place, untracked: must not reuse the first cast
         got2 = L.linear(xi, w)
     assert torch.equal(got, want) and torch.equal(got2, L.linear(x * 2, w))
+    xt = torch.randn(5, 16, generator=g)  # a normal tensor seen first under inference mode, then with grad:
+    wt = torch.randn(6, 16, generator=g, requires_grad=True)  # its split made there must not be saved
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        L.linear(xt, wt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = L.linear(xt, wt)
+    y.float().sum().backward()
+    assert wt.grad is not None
 
 
 def test_a_trained_weight_is_saved_widened_a_frozen_one_bf16(bf16_via_fp32):
@@ -234,6 +251,11 @@ def test_a_trained_weight_is_saved_widened_a_frozen_one_bf16(bf16_via_fp32):
         assert torch.equal(saved.float(), w.bfloat16().float())
         grads[trained] = torch.autograd.grad(y.float().square().sum(), x)[0]
     assert torch.equal(grads[True], grads[False])
+    wb = w.bfloat16().requires_grad_()  # a trained bf16 weight saves itself, no copy
+    y = L.linear(x.detach().bfloat16().requires_grad_(), wb)
+    assert y.grad_fn.saved_tensors[1].data_ptr() == wb.data_ptr()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # no ∂x wanted: W is not kept at all
+        assert L.linear(x.detach(), w.clone().requires_grad_()).grad_fn.saved_tensors[1] is None
 
 
 def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):

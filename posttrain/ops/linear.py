@@ -46,6 +46,7 @@ bf16 packed weights for the same reason.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 
 import torch
@@ -119,19 +120,26 @@ def _bf16_operands(x: torch.Tensor, w: torch.Tensor) -> bool:
 def bf16_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the bf16 matmul x·Wᵀ runs as an fp32 GEMM here (see the module's docstring)."""
     return (BF16_VIA_FP32 and x.device.type == "cpu" and w.device.type == "cpu" and type(x) in _PLAIN
-            and type(w) in _PLAIN and x.numel() >= MIN_ROWS * max(x.shape[-1], 1) > 0 and _bf16_operands(x, w))
+            and type(w) in _PLAIN and _enough_rows(x) and _bf16_operands(x, w))
+
+
+_ANY_ROWS = contextvars.ContextVar("posttrain_bf16_route_any_rows", default=False)
 
 
 @contextlib.contextmanager
 def route_any_rows():
-    """bf16 matmuls of any number of rows take the fp32-GEMM route where it applies, inside the block: a
-    small probe pass (the planner's memory probe) then holds what the full-size step will hold."""
-    global MIN_ROWS
-    saved, MIN_ROWS = MIN_ROWS, 1
+    """bf16 matmuls of any number of rows take the fp32-GEMM route where it applies, inside the block (this
+    thread only): a small probe pass (the planner's memory probe) then holds what the full-size step will hold."""
+    token = _ANY_ROWS.set(True)
     try:
         yield
     finally:
-        MIN_ROWS = saved
+        _ANY_ROWS.reset(token)
+
+
+def _enough_rows(x: torch.Tensor) -> bool:
+    """x (..., K) holds at least MIN_ROWS rows (all dims but the last), or route_any_rows() is on; never empty."""
+    return x.dim() > 0 and x.numel() > 0 and (_ANY_ROWS.get() or x.numel() >= MIN_ROWS * x.shape[-1])
 
 
 def _split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,8 +169,8 @@ class _Widened:
         self.entry = None
 
     def __call__(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if t.is_inference():  # no version counter to tell a changed tensor: not kept
-            return _split(t)
+        if t.is_inference() or torch.is_inference_mode_enabled():  # no version counter (or a split that could
+            return _split(t)  # not be saved for a backward later): not kept
         entry = self.entry
         if entry is not None and entry[0] is t and entry[1] == t._version:
             return entry[2]
@@ -181,13 +189,14 @@ def forget_casts() -> None:
 
 def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     """(x as bf16 (..., K), W's bf16 values to save, y = bf16(x·Wᵀ + b) shaped (..., N)) through an fp32 GEMM,
-    autocast off. A trained weight's values are saved widened (float32, as the GEMMs take them): the backward
-    does not widen them again, for twice the bytes of a bf16 copy until then; a frozen one's stay bf16."""
+    autocast off. A trained float32 weight's values are saved widened (as the GEMMs take them): the backward
+    does not widen them again, for twice the bytes of the bf16 cast until then; a frozen one's (LoRA's base
+    weights) stay that bf16 cast, and a bf16 weight saves itself (no copy)."""
     xb, xr = _FORWARD_INPUT(x)
     wb, wr = _split(w)
     with torch.autocast("cpu", enabled=False):
         y = F.linear(xr, wr, None if b is None else _split(b)[1])
-    return xb, wr if w.requires_grad else wb, y.to(torch.bfloat16)
+    return xb, wr if w.requires_grad and w.dtype != torch.bfloat16 else wb, y.to(torch.bfloat16)
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -195,7 +204,8 @@ class _Bf16Linear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
         xb, ws, y = _bf16_forward(x, w, b)
-        ctx.save_for_backward(xb, ws)  # what autocast keeps: the bf16 operands (W's maybe widened)
+        ctx.save_for_backward(xb, ws if ctx.needs_input_grad[0] else None)  # the bf16 operands (W: only for ∂x)
+        ctx.w_in = w.shape[1]
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return y
 
@@ -206,7 +216,7 @@ class _Bf16Linear(torch.autograd.Function):
         xdt, wdt, bdt = ctx.dtypes
         gy2 = gy.reshape(-1, gy.shape[-1]).float()
         with torch.autocast("cpu", enabled=False):
-            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ws.shape[1]) if ctx.needs_input_grad[0] else None
+            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ctx.w_in) if ctx.needs_input_grad[0] else None
             gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
                 if ctx.needs_input_grad[1] else None
             gb = _round_to(gy2.sum(0), bdt) if ctx.needs_input_grad[2] else None

@@ -5,8 +5,8 @@ saves for backward. What a real step holds differs by precision and by what is t
 autocast the norms and the residual stream stay fp32 while every linear saves a bf16 copy of its input;
 under LoRA a frozen linear saves no input at all but each use of a frozen weight saves its own bf16 cast
 (autocast caches casts only of weights that require grad; where bf16 matmuls run as fp32 GEMMs, ops.linear,
-a trained weight's float32 widening); backward adds the gradients of a layer's activations on top. Rather
-than a table per case, a recipe that holds its model measures it:
+each use of a trained weight saves its own float32 widening); backward adds the gradients of a layer's
+activations on top. Rather than a table per case, a recipe that holds its model measures it:
 
     bytes(T) = fixed + per_token · T        (T = tokens in one forward/backward)
 

@@ -205,7 +205,6 @@ class _Bf16Linear(torch.autograd.Function):
         # x (..., K), w (N, K), b (N,) | None -> y (..., N) bf16
         xb, ws, y = _bf16_forward(x, w, b)
         ctx.save_for_backward(xb, ws if ctx.needs_input_grad[0] else None)  # the bf16 operands (W: only for ∂x)
-        ctx.w_in = w.shape[1]
         ctx.dtypes = (x.dtype, w.dtype, None if b is None else b.dtype)
         return y
 
@@ -216,7 +215,7 @@ class _Bf16Linear(torch.autograd.Function):
         xdt, wdt, bdt = ctx.dtypes
         gy2 = gy.reshape(-1, gy.shape[-1]).float()
         with torch.autocast("cpu", enabled=False):
-            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ctx.w_in) if ctx.needs_input_grad[0] else None
+            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ws.shape[1]) if ctx.needs_input_grad[0] else None
             gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
                 if ctx.needs_input_grad[1] else None
             gb = _round_to(gy2.sum(0), bdt) if ctx.needs_input_grad[2] else None

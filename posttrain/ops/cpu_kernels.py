@@ -77,7 +77,7 @@ def _build(name: str):
     from torch.utils.cpp_extension import load as build
 
     build_dir = Path(_get_build_directory(name, verbose=False))
-    args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp"))],
+    args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp"))],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
     with open(build_dir / "posttrain.flock", "w") as guard:
@@ -136,3 +136,22 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torc
         return None
     t = temperature.to(torch.float32).contiguous()
     return tuple(_module.sample_plain(logits, t, uniforms.to(torch.float64).contiguous(), chunks))
+
+
+def group_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `group_attention` runs for tensors of this device, dtype and head size."""
+    return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
+            and head_dim <= 256 and load() is not None)
+
+
+def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    member: torch.Tensor, off: torch.Tensor, prompt: torch.Tensor, scale: float, window: int | None):
+    """Decode attention over one layer's group KV visiting only the keys each query sees
+    (csrc/attention_kernel.cpp; `group_attention_runs` says where it runs, elsewhere the runner's masked SDPA).
+
+    q (B, H, D), k/v (B, KV, D): the step's queries and new keys/values (heads contiguous); k_cache/v_cache
+    (groups, KV, cap, D) contiguous, the new k/v written at `off` (B,); member (n, W) int64: the batch row of
+    each of the first n groups' W samples, or -1; prompt (n,) int64: each group's prompt length; window: the
+    sliding window or None. -> (B, H*D) in q's dtype."""
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
+    return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0)

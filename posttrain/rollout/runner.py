@@ -520,24 +520,35 @@ class Runner:
         return masks
 
     def _slot_attend(self, positions, rows):
-        """Decode attention over the group KV: one SDPA call, one task per (group slot, KV head).
-
-        Queries of a group slot: its `width` sequences x the G query heads of each KV head, (W*G, D);
-        keys: the region's first P + W*(t+1) entries (prompt once + every sample's tokens), with an
-        additive mask that lets sample m see the prompt and its own tokens (p - P)*W + m <= its
-        position (`_slot_masks`). A group of 8 samples thus reads its prompt once instead of 8 times, in
-        8x fewer, larger tasks (CPU flash attention pays a fixed cost per task). The new k/v are written to
-        the region first; queries go into slot order (idle slots in range see finite garbage, then dropped)."""
-        W, G, kv, D = self.width, self.group, self.n_kv, self.head_dim
-        gs, m = rows // W, rows % W
-        P = self.prompt_len[gs]
-        off = P + (positions - P) * W + m  # (B,) where each new token goes in its group region
+        """Decode attention over the group KV. Group slot g holds its prompt's P keys once, then its `width`
+        samples' tokens interleaved (sample m's j-th token at P + j*W + m); sample m sees the prompt and its
+        own tokens. The new k/v go to `off` first. Where the fused kernel runs (CPU, bf16/fp32, no soft-cap),
+        it visits only the keys each query sees (`cpu_kernels.group_attention`); elsewhere one masked SDPA
+        call covers every group (`_masked_slot_attend`)."""
+        W = self.width
+        gs, P = rows // W, self.prompt_len[rows // W]
+        off = P + (positions - P) * W + rows % W  # (B,) where each new token goes in its group region
         ngs = int(gs.max()) + 1
-        S = ngs * W
+        self._ensure_slot_kv(int(off.max()) + 1)
+        if self.recipe.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim):
+            member = torch.full((ngs * W,), -1, dtype=torch.long, device=self.device).index_copy_(
+                0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, W)  # batch row of each slot, -1 idle
+            prompt, scale = self.prompt_len[:ngs], self.recipe.scale
+            return lambda i, q, k, v: cpu_kernels.group_attention(
+                q, k, v, self.k_slot[i], self.v_slot[i], member, off, prompt, scale, self.windows[i])
+        return self._masked_slot_attend(positions, rows, off, ngs)
+
+    def _masked_slot_attend(self, positions, rows, off, ngs: int):
+        """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its
+        `width` sequences x the G query heads of each KV head, (W*G, D); keys the region's first P + W*(t+1)
+        entries, with an additive mask (`_slot_masks`). A group of 8 samples thus reads its prompt once instead
+        of 8 times, in 8x fewer, larger tasks (CPU flash attention pays a fixed cost per task), but meets every
+        sample's keys. Queries go into slot order (idle slots in range see finite garbage, then dropped)."""
+        W, G, kv, D = self.width, self.group, self.n_kv, self.head_dim
+        gs, S = rows // W, ngs * W
         ident = S == rows.shape[0] and bool((rows == torch.arange(S, device=self.device)).all())  # rows are slots 0..S-1
         last = torch.full((S,), -1, dtype=torch.long, device=self.device).index_copy_(0, rows, off)  # idle: -1
         L = int(last.max()) + 1
-        self._ensure_slot_kv(L)
         masks = self._slot_masks(positions, rows, last, ngs, L)
         scale, cap = self.recipe.scale, self.recipe.attn_softcap
 

@@ -1,0 +1,285 @@
+// Decode attention over the engine's group KV (runner._slot_attend), visiting only the keys each query sees.
+//
+// Layout of one layer's group KV, (groups, kv_heads, cap, D): group g's region holds its prompt's P keys once,
+// then its W samples' tokens interleaved: sample m's j-th own token (position P + j) at P + j*W + m. Sample m
+// sees the prompt and its own tokens only. SDPA over the region with a mask does W-fold work on the samples'
+// part (every query meets all W*t own keys); here each (group, kv head) is one task:
+//
+//   rows  : the G query heads of that kv head for each live sample m (R = members x G rows, float32)
+//   prompt: S_p = Q K_p^T over the prompt keys all rows see (one shared pass, 16 keys x 8 rows per block)
+//   own   : S_m = Q_m K_m^T over sample m's own keys (stride W in the region), its G rows only
+//   out   : softmax over [S_p | S_m] (float32, SLEEF exp), O = P V, cast to the cache dtype
+//
+// with the new token's k/v written into the region first (it is the last own key). Windows (sliding
+// attention): key position p visible to query position q iff q - p < window, so each sample's prompt
+// and own ranges start later. Everything in float32 (SDPA rounds the probabilities to bf16 before P V; this
+// does not), scores scaled after the dot product as SDPA does. Tasks run in parallel (at::parallel_for).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+
+#if defined(__x86_64__) && defined(__AVX2__)
+#include <immintrin.h>
+extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));        // unaligned loads/stores through these types
+typedef uint32_t u16v __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+constexpr int64_t KB = 16;  // keys per block: one v16 of scores
+
+inline float to_f(uint16_t v) { return posttrain_bf16::bf2f(v); }
+inline float to_f(float v) { return v; }
+inline void put(uint16_t* p, float f) { *p = posttrain_bf16::f2bf(f); }
+inline void put(float* p, float f) { *p = f; }
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline v16 load16(const uint16_t* p) {  // 16 bf16 -> 16 float32 (exact: the upper halves)
+  const u16v u = __builtin_convertvector(*reinterpret_cast<const h16*>(p), u16v) << 16;
+  v16 f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// x[0..n) <- exp(x - shift); returns their float32 sum
+float exp_sum(float* x, int64_t n, float shift) {
+  float s = 0.f;
+  int64_t i = 0;
+#if defined(__x86_64__) && defined(__AVX2__)
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+    _mm256_storeu_ps(x + i, w);
+    acc = _mm256_add_ps(acc, w);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (int l = 0; l < 8; ++l) s += lanes[l];
+#endif
+  for (; i < n; ++i) s += (x[i] = std::exp(x[i] - shift));
+  return s;
+}
+
+// Lane sums of 16 vectors in one: out[L] = sum of the lanes of a[rev(L)], rev = 4-bit reversal (4 levels,
+// each adding the two halves of every block of 2h lanes of two vectors; 15 adds, 30 shuffles).
+inline v16 lane_sums(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+constexpr int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+// S[r*lds + c] = scale * <Q[r], key(c)> for r < R (Q: rows of D floats), c < nk. 16 keys at a time, converted
+// to float32 once (Kf, 16 x D) and shared by the rows: per row 16 dot products of D/16 fused multiply-adds,
+// then their lane sums in one vector (`lane_sums`: key c computed into slot REV[c] comes out in lane c).
+// NV = D/16 when known at compile time (registers and unrolled loops), 0 for any D.
+template <int NV, typename T, typename KeyAt>
+void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds, float* Kf) {
+  const int64_t nv = NV ? NV : D / 16;
+  for (int64_t c0 = 0; c0 < nk; c0 += KB) {
+    const int64_t nb = std::min(KB, nk - c0);
+    for (int64_t c = 0; c < KB; ++c) {
+      const T* k = key(c0 + std::min(c, nb - 1));  // a short block repeats its last key (scores dropped)
+      for (int64_t j = 0; j < nv; ++j) *reinterpret_cast<v16*>(Kf + REV[c] * D + j * 16) = load16(k + j * 16);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      const float* q = Q + r * D;
+      v16 a[KB];
+      for (int64_t c = 0; c < KB; ++c) {
+        const float* k = Kf + c * D;
+        v16 s = load16(q) * load16(k);
+        for (int64_t j = 1; j < nv; ++j) s += load16(q + j * 16) * load16(k + j * 16);
+        a[c] = s;
+      }
+      const v16 out = lane_sums(a) * scale;
+      for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
+    }
+  }
+}
+
+// acc[r*D + d] += sum_c p[r*ldp + c] * V(c)[d] for r < R, c < n; rows 4 at a time, each value row converted
+// once per block (V(c): D floats or T values). Rows of p past R up to the next multiple of 4 must be readable.
+template <int NV, typename T, typename ValAt>
+void weighted_sum(const float* p, int64_t ldp, int64_t R, int64_t n, ValAt val, int64_t D, float* acc) {
+  constexpr int64_t VMAX = NV ? NV : 16;
+  const int64_t nv = NV ? NV : D / 16;
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const float *p0 = p + r0 * ldp, *p1 = p0 + ldp, *p2 = p1 + ldp, *p3 = p2 + ldp;
+    v16 o0[VMAX] = {}, o1[VMAX] = {}, o2[VMAX] = {}, o3[VMAX] = {};
+    for (int64_t c = 0; c < n; ++c) {
+      const T* v = val(c);
+      for (int64_t j = 0; j < nv; ++j) {
+        const v16 x = load16(v + j * 16);
+        o0[j] += p0[c] * x;
+        o1[j] += p1[c] * x;
+        o2[j] += p2[c] * x;
+        o3[j] += p3[c] * x;
+      }
+    }
+    const v16* o[4] = {o0, o1, o2, o3};
+    for (int64_t i = 0; i < 4 && r0 + i < R; ++i)
+      for (int64_t j = 0; j < nv; ++j) *reinterpret_cast<v16*>(acc + (r0 + i) * D + j * 16) += o[i][j];
+  }
+}
+
+float row_max(const float* x, int64_t n) {
+  v16 m = v16{} - INFINITY;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const v16 y = load16(x + i);
+    m = y > m ? y : m;
+  }
+  float mx = -INFINITY;
+  for (int l = 0; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
+  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  return mx;
+}
+
+template <typename T>
+struct Job {
+  const T *q, *kn, *vn;  // (B, H, D), (B, KV, D), (B, KV, D): strided rows, contiguous heads
+  int64_t q0, q1, k0, k1, v0, v1;
+  T *kc, *vc;  // (groups, KV, cap, D) contiguous
+  T* out;      // (B, H*D)
+  const int64_t *member, *off, *prompt;  // (groups*W) batch row or -1, (B,), (groups,)
+  int64_t KV, cap, D, G, W, window;
+  float scale;
+};
+
+struct Row {  // a live sample of the task's group
+  int64_t m, n, own, p0, j0;  // member, batch row, own keys (incl. the new one), first visible prompt key and own key
+};
+
+template <int NV, typename T>
+void task(const Job<T>& a, int64_t g, int64_t h) {
+  const int64_t D = a.D, G = a.G, W = a.W, P = a.prompt[g];
+  T* kc = a.kc + (g * a.KV + h) * a.cap * D;
+  T* vc = a.vc + (g * a.KV + h) * a.cap * D;
+  std::vector<Row> rows;
+  int64_t pmin = P, own_max = 0;
+  for (int64_t m = 0; m < W; ++m) {
+    const int64_t n = a.member[g * W + m];
+    if (n < 0) continue;
+    const int64_t o = a.off[n], j = (o - P - m) / W;  // new token: own index j, position P + j
+    std::memcpy(kc + o * D, a.kn + n * a.k0 + h * a.k1, D * sizeof(T));
+    std::memcpy(vc + o * D, a.vn + n * a.v0 + h * a.v1, D * sizeof(T));
+    const int64_t lo = a.window > 0 ? P + j - a.window + 1 : 0;  // first visible position
+    Row r{m, n, j + 1, std::min(P, std::max<int64_t>(0, lo)), std::max<int64_t>(0, lo - P)};
+    pmin = std::min(pmin, r.p0);
+    own_max = std::max(own_max, r.own - r.j0);
+    rows.push_back(r);
+  }
+  const int64_t R = static_cast<int64_t>(rows.size()) * G, np = P - pmin, Ls = std::max<int64_t>(np, 1), Lo = std::max<int64_t>(own_max, 1);
+  if (R == 0) return;
+  std::vector<float> Q(R * D), Kf(KB * D), Sp((R + 4) * Ls), So((R + 4) * Lo), acc(R * D, 0.f), Vp(np * D);  // + 4 rows: weighted_sum reads whole blocks
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t j = 0; j < G; ++j) {
+      const T* q = a.q + rows[i].n * a.q0 + (h * G + j) * a.q1;
+      for (int64_t d = 0; d < D; ++d) Q[(i * G + j) * D + d] = to_f(q[d]);
+    }
+  // scores: the prompt keys every row sees (shared), then each sample's own keys (its G rows)
+  scores<NV, T>(Q.data(), R, D, [&](int64_t c) { return kc + (pmin + c) * D; }, np, a.scale, Sp.data(), Ls, Kf.data());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    scores<NV, T>(Q.data() + i * G * D, G, D, [&](int64_t c) { return kc + (P + (r.j0 + c) * W + r.m) * D; }, r.own - r.j0, a.scale,
+              So.data() + i * G * Lo, Lo, Kf.data());
+  }
+  // softmax of each row over its visible keys: unnormalised weights in place, 1 / their sum in inv
+  std::vector<float> inv(R);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const int64_t skip = r.p0 - pmin, npr = np - skip, nown = r.own - r.j0;
+    for (int64_t j = 0; j < G; ++j) {
+      float *sp = Sp.data() + (i * G + j) * Ls, *so = So.data() + (i * G + j) * Lo;
+      std::fill(sp, sp + skip, 0.f);  // keys before this sample's window weigh nothing
+      const float mx = std::max(row_max(sp + skip, npr), row_max(so, nown));
+      inv[i * G + j] = 1.f / (exp_sum(sp + skip, npr, mx) + exp_sum(so, nown, mx));
+    }
+  }
+  // out = weights @ V: the prompt's values in float32 once, for all rows; each sample's own values for its rows
+  for (int64_t c = 0; c < np; ++c)
+    for (int64_t j = 0; j < D / 16; ++j) *reinterpret_cast<v16*>(Vp.data() + c * D + j * 16) = load16(vc + (pmin + c) * D + j * 16);
+  weighted_sum<NV, float>(Sp.data(), Ls, R, np, [&](int64_t c) { return Vp.data() + c * D; }, D, acc.data());
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    weighted_sum<NV, T>(So.data() + i * G * Lo, Lo, G, r.own - r.j0, [&](int64_t c) { return vc + (P + (r.j0 + c) * W + r.m) * D; }, D,
+                    acc.data() + i * G * D);
+    for (int64_t j = 0; j < G; ++j) {
+      T* o = a.out + r.n * (a.KV * G * D) + (h * G + j) * D;
+      const float* x = acc.data() + (i * G + j) * D;
+      for (int64_t d = 0; d < D; ++d) put(o + d, x[d] * inv[i * G + j]);
+    }
+  }
+}
+
+template <typename T>
+void run(const Job<T>& a, int64_t groups) {
+  at::parallel_for(0, groups * a.KV, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (a.D == 64)
+        task<4, T>(a, t / a.KV, t % a.KV);
+      else if (a.D == 128)
+        task<8, T>(a, t / a.KV, t % a.KV);
+      else
+        task<0, T>(a, t / a.KV, t % a.KV);
+    }
+  });
+}
+
+template <typename T>
+T* data(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+// q (B, H, D), k/v (B, KV, D): this step's queries and new keys/values (rows strided, heads D apart);
+// k_cache/v_cache (>= groups, KV, cap, D) one layer's group KV, written at `off`; member (groups, W) int64:
+// the batch row of each group slot's sample or -1 (idle); off (B,) int64: where each row's new token goes
+// (P + j*W + m); prompt (groups,) int64: P per group; window 0 = none. Returns (B, H*D) in q's dtype.
+torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "group_attention: bf16 or float32");
+  for (const auto& t : {q, k, v, k_cache, v_cache})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt, "group_attention: CPU tensors of one dtype");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "group_attention: shapes");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && q.stride(1) == D && k.stride(1) == D && v.stride(1) == D,
+              "group_attention: heads of q/k/v contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == KV && k_cache.size(3) == D, "group_attention: cache (groups, KV, cap, D)");
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % KV == 0 && k.size(0) == B && v.size(0) == B, "group_attention: D a multiple of 16 up to 256, H a multiple of KV");
+  TORCH_CHECK(member.dim() == 2 && member.size(0) <= k_cache.size(0) && member.is_contiguous() && off.is_contiguous() && prompt.is_contiguous() &&
+                  member.scalar_type() == at::kLong && off.scalar_type() == at::kLong && prompt.scalar_type() == at::kLong && off.numel() == B &&
+                  prompt.numel() == member.size(0),
+              "group_attention: member (groups, W), off (B,), prompt (groups,) int64");
+  auto out = torch::empty({B, H * D}, q.options());
+  const int64_t groups = member.size(0);
+  auto fill = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    Job<T> a{data<T>(q), data<T>(k), data<T>(v), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+             data<T>(k_cache), data<T>(v_cache), data<T>(out), member.data_ptr<int64_t>(), off.data_ptr<int64_t>(),
+             prompt.data_ptr<int64_t>(), KV, k_cache.size(2), D, H / KV, member.size(1), window, static_cast<float>(scale)};
+    run<T>(a, groups);
+  };
+  if (dt == at::kBFloat16)
+    fill(static_cast<uint16_t*>(nullptr));
+  else
+    fill(static_cast<float*>(nullptr));
+  return out;
+}

@@ -31,22 +31,14 @@ extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vec
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));        // unaligned loads/stores through these types
-typedef uint32_t u16v __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+using posttrain_vec::load16;
+using posttrain_vec::v16;
 constexpr int64_t KB = 16;  // keys per block: one v16 of scores
 
 inline float to_f(uint16_t v) { return posttrain_bf16::bf2f(v); }
 inline float to_f(float v) { return v; }
 inline void put(uint16_t* p, float f) { *p = posttrain_bf16::f2bf(f); }
 inline void put(float* p, float f) { *p = f; }
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
-inline v16 load16(const uint16_t* p) {  // 16 bf16 -> 16 float32 (exact: the upper halves)
-  const u16v u = __builtin_convertvector(*reinterpret_cast<const h16*>(p), u16v) << 16;
-  v16 f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
 
 // x[0..n) <- exp(x - shift); returns their float32 sum
 float exp_sum(float* x, int64_t n, float shift) {

@@ -141,7 +141,7 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torc
 def group_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `group_attention` runs for tensors of this device, dtype and head size."""
     return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0
-            and head_dim <= 256 and load() is not None)
+            and head_dim <= 256 and load() is not None and _module.group_attention_available())
 
 
 def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

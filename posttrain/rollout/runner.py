@@ -249,6 +249,8 @@ class Runner:
         # one region per sequence. L grows (doubling) with the longest group. Off (0 slots): gather blocks.
         self.slot_seqs, self.max_model_len = slot_kv_seqs, max_model_len
         self.k_slot = self.v_slot = None
+        # decode attention over the group KV: the fused kernel where it runs, else masked SDPA (`_slot_attend`)
+        self.group_kernel = r.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim)
         self.set_width(1)
 
     def _modules(self, hf, pack: bool, hint: int) -> None:
@@ -528,11 +530,12 @@ class Runner:
         it visits only the keys each query sees (`cpu_kernels.group_attention`); elsewhere one masked SDPA
         call covers every group (`_masked_slot_attend`)."""
         W = self.width
-        gs, P = rows // W, self.prompt_len[rows // W]
+        gs = rows // W
+        P = self.prompt_len[gs]
         off = P + (positions - P) * W + rows % W  # (B,) where each new token goes in its group region
         ngs = int(gs.max()) + 1
         self._ensure_slot_kv(int(off.max()) + 1)
-        if self.recipe.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim):
+        if self.group_kernel:
             member = torch.full((ngs * W,), -1, dtype=torch.long, device=self.device).index_copy_(
                 0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, W)  # batch row of each slot, -1 idle
             prompt, scale = self.prompt_len[:ngs], self.recipe.scale

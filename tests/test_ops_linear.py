@@ -262,6 +262,7 @@ def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):
     with pytest.raises(ValueError, match="POSTTRAIN_BF16_MATMUL"):
         L._prefer_fp32_for_bf16("bf16")
     assert L._prefer_fp32_for_bf16("fp32") and not L._prefer_fp32_for_bf16("native")
+    monkeypatch.setattr(L, "NATIVE_BF16", True)
     monkeypatch.setattr(L, "_mkl_on_intel", lambda: True)
     monkeypatch.setattr(L, "_amx_usable", lambda: True)
     assert not L._prefer_fp32_for_bf16("auto")  # AMX: bf16 GEMMs are the fast kind
@@ -269,8 +270,31 @@ def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):
     assert L._prefer_fp32_for_bf16("auto")
     monkeypatch.setattr(L, "_mkl_on_intel", lambda: False)
     assert not L._prefer_fp32_for_bf16("auto")  # AMD's avx512_bf16: bf16 ~2x fp32
+    monkeypatch.setattr(L, "NATIVE_BF16", False)
+    assert L._prefer_fp32_for_bf16("auto")  # no bf16 instructions (AVX2): software bf16, ~4x slower
+    assert not L._prefer_fp32_for_bf16("native")
     monkeypatch.undo()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert not L._amx_usable()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
     assert L._amx_usable() == bool(torch.cpu._is_amx_tile_supported())
+
+
+def test_native_bf16_reads_the_cpu_and_the_onednn_isa_cap(monkeypatch):
+    monkeypatch.setattr(L.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not L._native_bf16()  # capped below every bf16 ISA
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    assert not L._native_bf16()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert L._native_bf16()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(L, "_amx_usable", lambda: False)
+    monkeypatch.setattr(L, "_cpu_flag", lambda flag: False)
+    assert not L._native_bf16()  # AVX2 / AVX-512 without bf16: software bf16
+    monkeypatch.setattr(L, "_cpu_flag", lambda flag: flag == "avx_ne_convert")
+    assert L._native_bf16()
+    monkeypatch.setattr(L.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(L, "_cpu_flag", lambda flag: False)
+    assert L._native_bf16()  # not x86: left native

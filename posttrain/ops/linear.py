@@ -34,9 +34,11 @@ that matmul again, up to the summation order:
 On an Intel Xeon whose AMX is not available (2 threads, oneDNN capped at avx512_core_bf16) oneDNN's bf16
 GEMM ran at 60-115 GFLOP/s against MKL's fp32 at 130-170 for a 135M model's training shapes (1000 × 576 ·
 576 × 1536 and the like): bf16 there is the slower way to compute bf16 numbers. With AMX a bf16 GEMM is ~3-5x
-fp32, and on AMD's avx512_bf16 ~2x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on
-an Intel CPU (MKL the BLAS) without usable AMX (none in /proc/cpuinfo, or oneDNN capped below it by
-ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. Only for matmuls of at least MIN_ROWS rows: a few rows
+fp32, and on AMD's avx512_bf16 ~2x. Where the CPU has no bf16 dot-product instructions at all (x86 with AVX2
+only, e.g. AMD EPYC Zen 3), torch converts bf16 in software: 8-9 GFLOP/s against 34-38 for the fp32 GEMM over
+the same values, 4x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on an x86 CPU
+without bf16 instructions (`_native_bf16`), and on an Intel CPU (MKL the BLAS) without usable AMX (none in
+/proc/cpuinfo, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. Only for matmuls of at least MIN_ROWS rows: a few rows
 (decoding) read each weight once for little arithmetic, so the fp32 copy (twice the bytes, widened per call)
 costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
 32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
@@ -48,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -90,16 +93,42 @@ def _amx_usable() -> bool:
     return bool(probe and probe())
 
 
+def _cpu_flag(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+def _native_bf16() -> bool:
+    """A bf16 matmul has dot-product instructions under it here: avx512_bf16, AMX or avx_ne_convert on x86 (and
+    ONEDNN_MAX_CPU_ISA not capped below them), or a CPU that is not x86 (left as it is). Without them (x86 with
+    AVX2 only, or AVX-512 without bf16) torch converts bf16 in software: on an AMD EPYC (Zen 3, AVX2) a bf16
+    GEMM of a 135M model's training shapes ran at 8-9 GFLOP/s against 34-38 as fp32 GEMMs over the same values."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa and isa not in ("ALL", "DEFAULT") and not any(s in isa for s in ("BF16", "AMX", "AVX2_VNNI_2")):
+        return False
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe and probe()) or _amx_usable() or _cpu_flag("avx_ne_convert")
+
+
 def _prefer_fp32_for_bf16(choice: str) -> bool:
     if choice not in ("auto", "native", "fp32"):
         raise ValueError(f"POSTTRAIN_BF16_MATMUL must be auto, native or fp32, not {choice!r}")
-    return choice == "fp32" or (choice == "auto" and _mkl_on_intel() and not _amx_usable())
+    return choice == "fp32" or (choice == "auto" and (not NATIVE_BF16 or (_mkl_on_intel() and not _amx_usable())))
 
 
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
 ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
+NATIVE_BF16 = _native_bf16()  # bf16 dot-product instructions (else bf16 matmuls convert in software)
 BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
 MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
+# the rollout engine's packed bf16 weights kept widened to fp32 (rollout.runner._Linear): only where bf16 matmuls
+# convert in software (at decode shapes, 64 rows, 2-3x slower than fp32 there); `native` turns it off
+WIDEN_PACKED_BF16 = BF16_VIA_FP32 and not NATIVE_BF16
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

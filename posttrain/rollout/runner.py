@@ -366,8 +366,8 @@ class Runner:
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
         kv = self.k_cache.numel() * self.k_cache.element_size() * 2
-        packed = sum(_weight(m).numel() * self.dtype.itemsize for lin in (*self.qkv, *self.o, *self.gate_up, *self.down,
-                                                                             self.lm_head) if lin.pack for m in lin.mods)
+        packed = sum(_weight(m).numel() * (4 if lin.widen else self.dtype.itemsize)  # widened: bf16 values as fp32
+                     for lin in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head) if lin.pack for m in lin.mods)
         return kv + packed
 
     @staticmethod

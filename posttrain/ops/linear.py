@@ -38,11 +38,13 @@ fp32, and on AMD's avx512_bf16 ~2x. Where the CPU has no bf16 dot-product instru
 only, e.g. AMD EPYC Zen 3), torch converts bf16 in software: 8-9 GFLOP/s against 34-38 for the fp32 GEMM over
 the same values, 4x. So the rule (`POSTTRAIN_BF16_MATMUL=auto`, the default): the fp32 GEMM on an x86 CPU
 without bf16 instructions (`_native_bf16`), and on an Intel CPU (MKL the BLAS) without usable AMX (none in
-/proc/cpuinfo, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. Only for matmuls of at least MIN_ROWS rows: a few rows
+/proc/cpuinfo, or oneDNN capped below it by ONEDNN_MAX_CPU_ISA); `native` or `fp32` forces either. Only for
+matmuls of at least MIN_ROWS rows: a few rows
 (decoding) read each weight once for little arithmetic, so the fp32 copy (twice the bytes, widened per call)
 costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
 32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
-bf16 packed weights for the same reason.
+bf16 packed weights for the same reason, except where bf16 is software (`WIDEN_PACKED_BF16`: widened once per
+weight change, not per call).
 """
 
 from __future__ import annotations
@@ -68,14 +70,18 @@ def _usable() -> bool:
         return False
 
 
-def _mkl_on_intel() -> bool:
-    """MKL is torch's BLAS and the CPU is Intel's (its fast paths apply)."""
+def _cpuinfo(key: str) -> str:
+    """The value of the first `key` line of /proc/cpuinfo ("" where there is none: no such file, another OS)."""
     try:
         with open("/proc/cpuinfo") as f:
-            intel = any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+            return next((line.split(":", 1)[-1] for line in f if line.startswith(key)), "")
     except OSError:
-        return False
-    return intel and torch.backends.mkl.is_available()
+        return ""
+
+
+def _mkl_on_intel() -> bool:
+    """MKL is torch's BLAS and the CPU is Intel's (its fast paths apply)."""
+    return "GenuineIntel" in _cpuinfo("vendor_id") and torch.backends.mkl.is_available()
 
 
 def _prefer_onednn(choice: str) -> bool:
@@ -94,11 +100,7 @@ def _amx_usable() -> bool:
 
 
 def _cpu_flag(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
+    return flag in _cpuinfo("flags").split()
 
 
 def _native_bf16() -> bool:

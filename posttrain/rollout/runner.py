@@ -158,7 +158,7 @@ class _Linear:
 
     def __call__(self, x, residual=None):
         """linear(x) (+ residual, fused into the matmul's epilogue where the packed path allows)."""
-        if self.pack and self.widen:  # bf16 in and out, fp32 GEMM (see refresh)
+        if self.widen:  # bf16 in and out, fp32 GEMM (see refresh; only for a packed copy)
             return self._matmul(x.float(), None if residual is None else residual.float()).to(torch.bfloat16)
         return self._matmul(x, residual)
 

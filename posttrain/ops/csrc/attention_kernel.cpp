@@ -6,7 +6,7 @@
 // part (every query meets all W*t own keys); here each (group, kv head) is one task:
 //
 //   rows  : the G query heads of that kv head for each live sample m (R = members x G rows, float32)
-//   prompt: S_p = Q K_p^T over the prompt keys all rows see (one shared pass, 16 keys x 8 rows per block)
+//   prompt: S_p = Q K_p^T over the prompt keys all rows see (one shared pass, VL = 16 or 8 keys per block)
 //   own   : S_m = Q_m K_m^T over sample m's own keys (stride W in the region), its G rows only
 //   out   : softmax over [S_p | S_m] (float32, SLEEF exp), O = P V, cast to the cache dtype
 //
@@ -35,9 +35,11 @@ extern "C" __m512 Sleef_expf16_u10(__m512);  // the AVX-512 one (resolved only w
 
 namespace {
 
-using posttrain_vec::load16;
-using posttrain_vec::v16;
-constexpr int64_t KB = 16;  // keys per block: one v16 of scores
+using posttrain_vec::loadv;
+using posttrain_vec::storev;
+using posttrain_vec::vec;
+constexpr int64_t VL = posttrain_vec::VL;  // lanes per vector: 16 (AVX-512) or 8
+constexpr int64_t KB = VL;                 // keys per block: one vector of scores
 
 inline float to_f(uint16_t v) { return posttrain_bf16::bf2f(v); }
 inline float to_f(float v) { return v; }
@@ -76,10 +78,11 @@ float exp_sum(float* x, int64_t n, float shift) {
 #endif
 }
 
-// Lane sums of 16 vectors in one: out[L] = sum of the lanes of a[rev(L)], rev = 4-bit reversal (4 levels,
-// each adding the two halves of every block of 2h lanes of two vectors; 15 adds, 30 shuffles).
-inline v16 lane_sums(const v16* a) {
-  v16 b[8], c[4], d[2];
+// Lane sums of VL vectors in one: out[L] = sum of the lanes of a[REV[L]], REV = bit reversal of the lane index
+// (log2 VL levels, each adding the two halves of every block of 2h lanes of two vectors).
+#if defined(__AVX512F__)
+inline vec lane_sums(const vec* a) {  // 16 lanes: 15 adds, 30 shuffles
+  vec b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
@@ -93,69 +96,89 @@ inline v16 lane_sums(const v16* a) {
          __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
 }
 constexpr int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#else
+inline vec lane_sums(const vec* a) {  // 8 lanes: 7 adds, 14 shuffles
+  vec b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+constexpr int REV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#endif
 
-// S[r*lds + c] = scale * <Q[r], key(c)> for r < R (Q: rows of D floats), c < nk. 16 keys at a time, converted
-// to float32 once (Kf, 16 x D) and shared by the rows: per row 16 dot products of D/16 fused multiply-adds,
+// S[r*lds + c] = scale * <Q[r], key(c)> for r < R (Q: rows of D floats), c < nk. VL keys at a time, converted
+// to float32 once (Kf, VL x D) and shared by the rows: per row VL dot products of D/VL fused multiply-adds,
 // then their lane sums in one vector (`lane_sums`: key c computed into slot REV[c] comes out in lane c).
-// NV = D/16 when known at compile time (registers and unrolled loops), 0 for any D.
+// NV = D/VL when known at compile time (registers and unrolled loops), 0 for any D.
 template <int NV, typename T, typename KeyAt>
 void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds, float* Kf) {
-  const int64_t nv = NV ? NV : D / 16;
+  const int64_t nv = NV ? NV : D / VL;
   for (int64_t c0 = 0; c0 < nk; c0 += KB) {
     const int64_t nb = std::min(KB, nk - c0);
     for (int64_t c = 0; c < KB; ++c) {
       const T* k = key(c0 + std::min(c, nb - 1));  // a short block repeats its last key (scores dropped)
-      for (int64_t j = 0; j < nv; ++j) *reinterpret_cast<v16*>(Kf + REV[c] * D + j * 16) = load16(k + j * 16);
+      for (int64_t j = 0; j < nv; ++j) storev(Kf + REV[c] * D + j * VL, loadv(k + j * VL));
     }
     for (int64_t r = 0; r < R; ++r) {
       const float* q = Q + r * D;
-      v16 a[KB];
+      vec a[KB];
       for (int64_t c = 0; c < KB; ++c) {
         const float* k = Kf + c * D;
-        v16 s = load16(q) * load16(k);
-        for (int64_t j = 1; j < nv; ++j) s += load16(q + j * 16) * load16(k + j * 16);
+        vec s = loadv(q) * loadv(k);
+        for (int64_t j = 1; j < nv; ++j) s += loadv(q + j * VL) * loadv(k + j * VL);
         a[c] = s;
       }
-      const v16 out = lane_sums(a) * scale;
+      const vec out = lane_sums(a) * scale;
       for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
     }
   }
 }
 
 // acc[r*D + d] += sum_c p[r*ldp + c] * V(c)[d] for r < R, c < n; rows 4 at a time, each value row converted
-// once per block (V(c): D floats or T values). Rows of p past R up to the next multiple of 4 must be readable.
+// once per block (V(c): D floats or T values), D in chunks of CH vectors (4 x CH accumulators: the whole row
+// in AVX-512's 32 registers, 2 vectors in AVX2's 16). Rows of p past R up to the next multiple of 4 must be readable.
 template <int NV, typename T, typename ValAt>
 void weighted_sum(const float* p, int64_t ldp, int64_t R, int64_t n, ValAt val, int64_t D, float* acc) {
-  constexpr int64_t VMAX = NV ? NV : 16;
-  const int64_t nv = NV ? NV : D / 16;
+  constexpr int64_t CH = VL == 16 ? (NV ? NV : 16) : 2;
+  const int64_t nv = NV ? NV : D / VL;
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const float *p0 = p + r0 * ldp, *p1 = p0 + ldp, *p2 = p1 + ldp, *p3 = p2 + ldp;
-    v16 o0[VMAX] = {}, o1[VMAX] = {}, o2[VMAX] = {}, o3[VMAX] = {};
-    for (int64_t c = 0; c < n; ++c) {
-      const T* v = val(c);
-      for (int64_t j = 0; j < nv; ++j) {
-        const v16 x = load16(v + j * 16);
-        o0[j] += p0[c] * x;
-        o1[j] += p1[c] * x;
-        o2[j] += p2[c] * x;
-        o3[j] += p3[c] * x;
+    for (int64_t j0 = 0; j0 < nv; j0 += CH) {
+      const int64_t nj = std::min(CH, nv - j0);
+      vec o0[CH] = {}, o1[CH] = {}, o2[CH] = {}, o3[CH] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const T* v = val(c) + j0 * VL;
+        for (int64_t j = 0; j < nj; ++j) {
+          const vec x = loadv(v + j * VL);
+          o0[j] += p0[c] * x;
+          o1[j] += p1[c] * x;
+          o2[j] += p2[c] * x;
+          o3[j] += p3[c] * x;
+        }
       }
+      const vec* o[4] = {o0, o1, o2, o3};
+      for (int64_t i = 0; i < 4 && r0 + i < R; ++i)
+        for (int64_t j = 0; j < nj; ++j) {
+          float* out = acc + (r0 + i) * D + (j0 + j) * VL;
+          storev(out, loadv(out) + o[i][j]);
+        }
     }
-    const v16* o[4] = {o0, o1, o2, o3};
-    for (int64_t i = 0; i < 4 && r0 + i < R; ++i)
-      for (int64_t j = 0; j < nv; ++j) *reinterpret_cast<v16*>(acc + (r0 + i) * D + j * 16) += o[i][j];
   }
 }
 
 float row_max(const float* x, int64_t n) {
-  v16 m = v16{} - INFINITY;
+  vec m = vec{} - INFINITY;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const v16 y = load16(x + i);
+  for (; i + VL <= n; i += VL) {
+    const vec y = loadv(x + i);
     m = y > m ? y : m;
   }
   float mx = -INFINITY;
-  for (int l = 0; l < 16; ++l) mx = m[l] > mx ? m[l] : mx;
+  for (int l = 0; l < VL; ++l) mx = m[l] > mx ? m[l] : mx;
   for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   return mx;
 }
@@ -239,7 +262,7 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   }
   // out = weights @ V: the prompt's values in float32 once, for all rows; each sample's own values for its rows
   for (int64_t c = 0; c < np; ++c)
-    for (int64_t j = 0; j < D / 16; ++j) *reinterpret_cast<v16*>(Vp.data() + c * D + j * 16) = load16(vc + (pmin + c) * D + j * 16);
+    for (int64_t j = 0; j < D / VL; ++j) storev(Vp.data() + c * D + j * VL, loadv(vc + (pmin + c) * D + j * VL));
   weighted_sum<NV, float>(Sp.data(), Ls, R, np, [&](int64_t c) { return Vp.data() + c * D; }, D, acc.data());
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
@@ -258,9 +281,9 @@ void run(const Job<T>& a, int64_t groups) {
   at::parallel_for(0, groups * a.KV, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (a.D == 64)
-        task<4, T>(a, t / a.KV, t % a.KV);
+        task<64 / VL, T>(a, t / a.KV, t % a.KV);
       else if (a.D == 128)
-        task<8, T>(a, t / a.KV, t % a.KV);
+        task<128 / VL, T>(a, t / a.KV, t % a.KV);
       else
         task<0, T>(a, t / a.KV, t % a.KV);
     }

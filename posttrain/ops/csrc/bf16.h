@@ -24,19 +24,28 @@ inline float round_bf(float f) { return bf2f(f2bf(f)); }
 
 }  // namespace posttrain_bf16
 
-// 16-lane vectors (GCC/Clang vector extensions: zmm with AVX-512, two ymm with AVX2); unaligned through these types
+// Vectors of VL float32 lanes (GCC/Clang vector extensions): 16 lanes (one zmm) with AVX-512, else 8 (one ymm with
+// AVX2). Eight lanes where AVX-512 is missing, because a 16-lane type there is split over two ymm registers by the
+// compiler and its shuffles and spills cost more than the arithmetic (4-5x slower attention on an AVX2 CPU).
+// Unaligned loads through these types.
 namespace posttrain_vec {
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint32_t u16v __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+#if defined(__AVX512F__)
+constexpr int VL = 16;
+#else
+constexpr int VL = 8;
+#endif
+typedef float vec __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint32_t uvec __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint16_t hvec __attribute__((vector_size(VL * 2), aligned(2)));
 
-inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
-inline v16 load16(const uint16_t* p) {  // 16 bf16 -> 16 float32 (exact: the upper halves)
-  const u16v u = __builtin_convertvector(*reinterpret_cast<const h16*>(p), u16v) << 16;
-  v16 f;
+inline vec loadv(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline vec loadv(const uint16_t* p) {  // VL bf16 -> VL float32 (exact: the upper halves)
+  const uvec u = __builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16;
+  vec f;
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+inline void storev(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
 
 }  // namespace posttrain_vec

@@ -27,10 +27,8 @@
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
 #define POSTTRAIN_GROUP_ATTENTION 1
 
-#if defined(__x86_64__) && (defined(__AVX2__) || defined(__AVX512F__))
-#include <immintrin.h>
-extern "C" __m256 Sleef_expf8_u10(__m256);    // exported by libtorch_cpu (its vectorized exp)
-extern "C" __m512 Sleef_expf16_u10(__m512);  // the AVX-512 one (resolved only where it is called)
+#if defined(__x86_64__) && defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu: its AVX-512 exp (AVX2's: bf16.h)
 #endif
 
 namespace {
@@ -41,10 +39,8 @@ using posttrain_vec::vec;
 constexpr int64_t VL = posttrain_vec::VL;  // lanes per vector: 16 (AVX-512) or 8
 constexpr int64_t KB = VL;                 // keys per block: one vector of scores
 
-inline float to_f(uint16_t v) { return posttrain_bf16::bf2f(v); }
-inline float to_f(float v) { return v; }
-inline void put(uint16_t* p, float f) { *p = posttrain_bf16::f2bf(f); }
-inline void put(float* p, float f) { *p = f; }
+using posttrain_bf16::put;
+using posttrain_bf16::to_f;
 
 // x[0..n) <- exp(x - shift); returns their float32 sum (SLEEF's exp, 16 or 8 lanes; the AVX-512 tail masked)
 float exp_sum(float* x, int64_t n, float shift) {
@@ -58,22 +54,11 @@ float exp_sum(float* x, int64_t n, float shift) {
     acc = _mm512_add_ps(acc, w);
   }
   return _mm512_reduce_add_ps(acc);
+#elif defined(__x86_64__) && defined(__AVX2__)
+  return posttrain_vec::exp_block(x, n, shift, x);  // in place
 #else
   float s = 0.f;
-  int64_t i = 0;
-#if defined(__x86_64__) && defined(__AVX2__)
-  const __m256 sh = _mm256_set1_ps(shift);
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 w = Sleef_expf8_u10(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
-    _mm256_storeu_ps(x + i, w);
-    acc = _mm256_add_ps(acc, w);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, acc);
-  for (int l = 0; l < 8; ++l) s += lanes[l];
-#endif
-  for (; i < n; ++i) s += (x[i] = std::exp(x[i] - shift));
+  for (int64_t i = 0; i < n; ++i) s += (x[i] = std::exp(x[i] - shift));
   return s;
 #endif
 }

@@ -1,5 +1,6 @@
-// bf16 <-> float32 conversions written out (round to nearest even, NaN kept), so the kernels' loops vectorize.
-// Shared by cpu_kernels.cpp and sample_kernel.cpp (cpu_kernels.py folds this file into the build's name).
+// What the kernels share (cpu_kernels.py folds this file into the build's name): bf16 <-> float32 conversions
+// written out (round to nearest even, NaN kept) so the loops vectorize, VL-lane vectors, and on AVX2 the
+// 8-lane exp block over SLEEF's expf (the routine torch's exp runs on x86).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,12 @@ inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16; bra
 }
 
 inline float round_bf(float f) { return bf2f(f2bf(f)); }
+
+// element access for kernels templated on the storage type (uint16_t = bf16 bits, or float)
+inline float to_f(uint16_t v) { return bf2f(v); }
+inline float to_f(float v) { return v; }
+inline void put(uint16_t* p, float f) { *p = f2bf(f); }
+inline void put(float* p, float f) { *p = f; }
 
 }  // namespace posttrain_bf16
 
@@ -49,3 +56,48 @@ inline vec loadv(const uint16_t* p) {  // VL bf16 -> VL float32 (exact: the uppe
 inline void storev(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
 
 }  // namespace posttrain_vec
+
+#if defined(__x86_64__) && defined(__AVX2__)
+#include <immintrin.h>
+
+extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
+
+namespace posttrain_vec {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float32 (exact)
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// w[i] = exp(float(x[i]) - shift) for i < n, 8 at a time (a short tail through a zero-padded vector, as
+// torch's vectorized loops do, so every weight comes from the same routine). Returns the float32 sum of
+// the weights (8 lane-wise partial sums, then the lanes in order); writes them to `out` when given (out = x:
+// in place).
+template <typename T>
+float exp_block(const T* x, int64_t n, float shift, float* out) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 w = Sleef_expf8_u10(_mm256_sub_ps(load8(x + i), sh));
+    if (out) _mm256_storeu_ps(out + i, w);
+    acc = _mm256_add_ps(acc, w);
+  }
+  alignas(32) float buf[8];
+  if (i < n) {
+    const int64_t k = n - i;
+    for (int64_t l = 0; l < 8; ++l) buf[l] = l < k ? posttrain_bf16::to_f(x[i + l]) : 0.f;
+    _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_sub_ps(_mm256_load_ps(buf), sh)));
+    for (int64_t l = k; l < 8; ++l) buf[l] = 0.f;  // padding weighs nothing (the eager path pads with 0)
+    if (out) std::memcpy(out + i, buf, k * sizeof(float));
+    acc = _mm256_add_ps(acc, _mm256_load_ps(buf));
+  }
+  _mm256_store_ps(buf, acc);
+  float s = 0.f;
+  for (int l = 0; l < 8; ++l) s += buf[l];
+  return s;
+}
+
+}  // namespace posttrain_vec
+#endif

@@ -22,54 +22,11 @@
 #include "bf16.h"
 
 #if defined(__x86_64__) && defined(__AVX2__)  // built with -march=native: AVX2 machines (else the eager path runs)
-#include <immintrin.h>
-
-extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
-
 namespace {
 
-using posttrain_bf16::bf2f;
-
-template <typename T>
-inline float to_f(T v);
-template <>
-inline float to_f<float>(float v) { return v; }
-template <>
-inline float to_f<uint16_t>(uint16_t v) { return bf2f(v); }
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float32 (exact)
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-
-// w[i] = exp(float(x[i]) - shift) for i < n, 8 at a time (a short tail through a zero-padded vector, as
-// torch's vectorized loops do, so every weight comes from the same routine). Returns the float32 sum of
-// the weights (8 lane-wise partial sums, then the lanes in order); writes them to `out` when given.
-template <typename T>
-float exp_block(const T* x, int64_t n, float shift, float* out) {
-  const __m256 sh = _mm256_set1_ps(shift);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 w = Sleef_expf8_u10(_mm256_sub_ps(load8(x + i), sh));
-    if (out) _mm256_storeu_ps(out + i, w);
-    acc = _mm256_add_ps(acc, w);
-  }
-  alignas(32) float buf[8];
-  if (i < n) {
-    const int64_t k = n - i;
-    for (int64_t l = 0; l < 8; ++l) buf[l] = l < k ? to_f<T>(x[i + l]) : 0.f;
-    _mm256_store_ps(buf, Sleef_expf8_u10(_mm256_sub_ps(_mm256_load_ps(buf), sh)));
-    for (int64_t l = k; l < 8; ++l) buf[l] = 0.f;  // padding weighs nothing (the eager path pads with 0)
-    if (out) std::memcpy(out + i, buf, k * sizeof(float));
-    acc = _mm256_add_ps(acc, _mm256_load_ps(buf));
-  }
-  _mm256_store_ps(buf, acc);
-  float s = 0.f;
-  for (int l = 0; l < 8; ++l) s += buf[l];
-  return s;
-}
+using posttrain_bf16::to_f;
+using posttrain_vec::exp_block;
+using posttrain_vec::load8;
 
 // Weights exp(y - shift) of x[0..n), y = float(x) / t (t = 1 takes x as is: dividing by 1 is exact; other t
 // divide per element, as the eager x.float() / t); their float32 sum, the weights in `out` when given.
@@ -77,7 +34,7 @@ template <typename T>
 float weights(const T* x, int64_t n, float t, float shift, float* out, std::vector<float>& scratch) {
   if (t == 1.f) return exp_block<T>(x, n, shift, out);
   scratch.resize(n);
-  for (int64_t i = 0; i < n; ++i) scratch[i] = to_f<T>(x[i]) / t;
+  for (int64_t i = 0; i < n; ++i) scratch[i] = to_f(x[i]) / t;
   return exp_block<float>(scratch.data(), n, shift, out);
 }
 
@@ -95,7 +52,7 @@ float row_max(const T* x, int64_t V) {  // 8 lanes, 4 accumulators (the loads ov
   _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
   float mx = lanes[0];
   for (int l = 1; l < 8; ++l) mx = std::max(mx, lanes[l]);
-  for (; i < V; ++i) mx = std::max(mx, to_f<T>(x[i]));
+  for (; i < V; ++i) mx = std::max(mx, to_f(x[i]));
   return mx;
 }
 
@@ -126,7 +83,7 @@ void sample_row(const T* x, int64_t V, float t, double u, int64_t chunks, int64_
     if (w[i] > 0.f) { last = i; break; }
   const int64_t k = c * W + std::min(j, last);
   *tok = k;
-  *lp = (to_f<T>(x[k]) / t - shift) - static_cast<float>(std::log(total));
+  *lp = (to_f(x[k]) / t - shift) - static_cast<float>(std::log(total));
 }
 
 }  // namespace

@@ -100,7 +100,7 @@ def test_swapping_classes_keeps_parameters_copies_and_pickles():
 
 def test_the_rule_picks_by_vendor_and_obeys_the_switch(monkeypatch):
     assert L._prefer_onednn("onednn") and not L._prefer_onednn("blas")
-    assert L._prefer_onednn("auto") == (not L._mkl_on_intel())
+    assert L._prefer_onednn("auto") == (not L._mkl_fast())
     with pytest.raises(ValueError, match="POSTTRAIN_FP32_MATMUL"):
         L._prefer_onednn("mkl")
     monkeypatch.setattr(L, "ONEDNN", False)  # the BLAS chosen: the stock op, and no class swap
@@ -256,6 +256,20 @@ def test_a_trained_weight_is_saved_widened_a_frozen_one_bf16(bf16_via_fp32):
     assert y.grad_fn.saved_tensors[1].data_ptr() == wb.data_ptr()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # no ∂x wanted: W is not kept at all
         assert L.linear(x.detach(), w.clone().requires_grad_()).grad_fn.saved_tensors[1] is None
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the rule chooses between MKL and oneDNN")
+@pytest.mark.parametrize("intel,x86,avx512,onednn", [
+    (True, True, True, False),  # Intel: MKL's own fast paths
+    (False, True, False, False),  # AMD Zen 3 (AVX2 only): MKL's AVX2 kernels beat oneDNN's
+    (False, True, True, True),  # AMD Zen 4 (AVX-512): MKL keeps to AVX2, oneDNN does not
+    (False, False, False, True),  # not x86
+])
+def test_the_fp32_rule_follows_mkls_fast_path(monkeypatch, intel, x86, avx512, onednn):
+    monkeypatch.setattr(L, "_mkl_on_intel", lambda: intel)
+    monkeypatch.setattr(L, "_x86", lambda: x86)
+    monkeypatch.setattr(L, "_cpu_flag", lambda flag: avx512 and flag == "avx512f")
+    assert L._prefer_onednn("auto") == onednn
 
 
 def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):

@@ -2,12 +2,16 @@
 natively or as fp32 GEMMs, each chosen by the machine.
 
 PyTorch sends a float32 CPU matmul to its BLAS (MKL in the x86 wheels) and only bf16/fp16 ones to oneDNN.
-MKL's fast code paths are Intel's own: on an AMD EPYC (2 threads) a 2048³ fp32 matmul ran at 133 GFLOP/s
-through MKL and 199 through oneDNN, and the shapes of a 135M model's training step (1024 rows × 576/1536
-features) at 100-185 against 150-210. On an Intel Xeon (2 threads, 2026-12-02) it is the other way round:
-MKL 180 vs oneDNN 167 at 2048³, and MKL 10-20% faster at every body shape and 35% at the LM head's
-(473 × 576 · 576 × 49152: 144 vs 106). So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the default) is: oneDNN
-for fp32 linears unless the CPU is Intel's and the BLAS is MKL; `onednn` or `blas` forces either. Where
+MKL's fast code paths are Intel's own; on other vendors' CPUs it runs its AVX2 kernels. So on an AMD EPYC
+with AVX-512 (Zen 4, 2 threads, 2026-12-02) a 2048³ fp32 matmul ran at 133 GFLOP/s through MKL and 199
+through oneDNN, and the shapes of a 135M model's training step (1024 rows × 576/1536 features) at 100-185
+against 150-210. On an AMD EPYC with AVX2 only (Zen 3, 2 threads, 2026-12-04), where AVX2 is all either
+has, it is the other way round: MKL 179 vs oneDNN 138 at 2048³, MKL 170-185 vs 155-167 at the body's shapes,
+and an SFT step (fp32, 4 rows of 512) took 9.8 s against 12.1 s (steps alternating in one process). On an
+Intel Xeon (2 threads, 2026-12-02) MKL wins too: 180 vs 167 at 2048³, 10-20% at every body shape and 35% at
+the LM head's (473 × 576 · 576 × 49152: 144 vs 106). So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the
+default) is: the BLAS for fp32 linears where it is MKL on its fast path (an Intel CPU, or an x86 CPU without
+AVX-512), else oneDNN; `onednn` or `blas` forces either. Where
 oneDNN is chosen:
 
     y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh)
@@ -84,10 +88,20 @@ def _mkl_on_intel() -> bool:
     return "GenuineIntel" in _cpuinfo("vendor_id") and torch.backends.mkl.is_available()
 
 
+def _mkl_fast() -> bool:
+    """MKL is torch's BLAS and runs its best kernels here: an Intel CPU, or an x86 CPU without AVX-512 (elsewhere
+    MKL's AVX2 kernels are all such a CPU has; on AMD's AVX-512 CPUs MKL keeps to AVX2 and oneDNN is faster)."""
+    return torch.backends.mkl.is_available() and (_mkl_on_intel() or (_x86() and not _cpu_flag("avx512f")))
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def _prefer_onednn(choice: str) -> bool:
     if choice not in ("auto", "onednn", "blas"):
         raise ValueError(f"POSTTRAIN_FP32_MATMUL must be auto, onednn or blas, not {choice!r}")
-    return choice == "onednn" or (choice == "auto" and not _mkl_on_intel())
+    return choice == "onednn" or (choice == "auto" and not _mkl_fast())
 
 
 def _amx_usable() -> bool:
@@ -108,7 +122,7 @@ def _native_bf16() -> bool:
     ONEDNN_MAX_CPU_ISA not capped below them), or a CPU that is not x86 (left as it is). Without them (x86 with
     AVX2 only, or AVX-512 without bf16) torch converts bf16 in software: on an AMD EPYC (Zen 3, AVX2) a bf16
     GEMM of a 135M model's training shapes ran at 8-9 GFLOP/s against 34-38 as fp32 GEMMs over the same values."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+    if not _x86():
         return True
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
     if isa and isa not in ("ALL", "DEFAULT") and not any(s in isa for s in ("BF16", "AMX", "AVX2_VNNI_2")):

@@ -24,6 +24,7 @@ from posttrain.errors import UserError
 from posttrain.ops.attention import NAME as VARLEN
 from posttrain.ops.attention import segments_from_positions
 from posttrain.ops.logprobs import HeadMap, LogitHead
+from posttrain.ops.tied import tie_for
 
 
 def unwrap(model):
@@ -59,14 +60,17 @@ _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Tr
 
 
 def logit_head(model) -> LogitHead:
-    """The head of `model` as ops.logprobs applies it, with the tensors of this call (build one per forward)."""
+    """The head of `model` as ops.logprobs applies it, with the tensors of this call (build one per forward).
+    Where its weight is the input embeddings' (and ops.tied applies), it carries the forward's TiedGrad: pass
+    `head.tie` to `hidden_states` so the two gradients share one buffer."""
     inner = unwrap(model)
     lm_head = inner.get_output_embeddings()
     if hasattr(lm_head, "base_layer"):  # a PEFT adapter on lm_head: its weight alone is not the head
         raise UserError(f"{type(inner).__name__}: an adapter on the output embeddings is not supported "
                         "(posttrain applies lm_head from its weight); leave lm_head out of the LoRA targets")
     scale, cap = head_transform(inner.config)
-    head = LogitHead(lm_head.weight, getattr(lm_head, "bias", None), scale, cap)
+    head = LogitHead(lm_head.weight, getattr(lm_head, "bias", None), scale, cap,
+                     tie_for(inner.get_input_embeddings(), lm_head.weight))
     if inner not in _checked:
         check_logit_head(inner, head)
         _checked[inner] = True
@@ -144,14 +148,15 @@ def compute_precision(mixed_precision: str, device) -> contextlib.AbstractContex
     raise ValueError(f"mixed_precision must be one of {MIXED_PRECISION}, not {mixed_precision!r}")
 
 
-def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=None) -> torch.Tensor:
+def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=None, tie=None) -> torch.Tensor:
     """Last hidden states (B, T, H) of the decoder for a packed or padded batch.
 
     `layout` (ops.attention.Layout, per row its shared-prefix blocks) replaces the segments derived
     from the position ids: a group's prompt runs once and its completions attend to it.
 
     Under mixed precision the residual stream and the final norm stay fp32 (fp32 embeddings + bf16
-    matmul outputs promote to fp32), so the returned states are fp32."""
+    matmul outputs promote to fp32), so the returned states are fp32. `tie`: the head's TiedGrad (`logit_head`),
+    which then does the embedding lookup."""
     backbone = backbone_of(model)
     extra = {}
     if getattr(unwrap(model).config, "_attn_implementation", None) == VARLEN:
@@ -162,8 +167,9 @@ def hidden_states(model, batch: Batch, mixed_precision: str = "none", layout=Non
     elif layout is not None:
         raise ValueError("a shared-prefix layout needs posttrain's varlen attention (load_model(varlen_attention=True))")
     with compute_precision(mixed_precision, batch.input_ids.device):
+        ids = {"input_ids": batch.input_ids} if tie is None else {"inputs_embeds": tie.embed(batch.input_ids)}
         out = backbone(
-            input_ids=batch.input_ids,
+            **ids,
             position_ids=batch.position_ids,
             attention_mask=batch.attention_mask,
             use_cache=False,
@@ -179,6 +185,6 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     lm_head + log-softmax always run in the head's own dtype (fp32 for fp32 weights), also under
     mixed precision: bf16 logits would err by ~0.1 nat at |z| ~ 20."""
     head = logit_head(model)
-    h = hidden_states(model, batch, mixed_precision)
+    h = hidden_states(model, batch, mixed_precision, tie=head.tie)
     sel = batch.targets != IGNORE  # (B, T)
     return head.logprobs(h[sel], batch.targets[sel], temperature, with_entropy=with_entropy, chunk=chunk)

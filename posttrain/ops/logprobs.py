@@ -30,6 +30,7 @@ import torch
 
 from posttrain.ops.linear import linear, matmul
 from posttrain.ops.sampling import trainer_logprobs
+from posttrain.ops.tied import TiedGrad
 
 KEEP_MAX = 2**25  # elements (128 MB in fp32): the most logits one tile, a kept softmax or a kept-set chunk holds
 TILE_MIN = 2**18  # elements (1 MB in fp32): the smallest tile, so a tiny hidden size does not mean 1-column tiles
@@ -133,8 +134,8 @@ def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, hm, chunk, want_entropy):
-        # hidden (N, H), weight (V, H), bias (V,) | None, targets (N,)
+    def forward(ctx, hidden, weight, bias, targets, hm, chunk, want_entropy, tie):
+        # hidden (N, H), weight (V, H), bias (V,) | None, targets (N,); tie: ops.tied.TiedGrad | None
         n, H = hidden.shape
         V = weight.shape[0]
         rows = max(1, min(n, chunk))
@@ -153,6 +154,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.hm, ctx.rows, ctx.cols = hm, rows, (V if keep else cols)  # a recomputing backward tiles as the forward did
         ctx.entropy = entropy.detach() if want_entropy else None  # H (N,): the entropy's own gradient needs it
+        ctx.tie = _count_head(tie)
         return logp, entropy
 
     @staticmethod
@@ -183,12 +185,23 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 _backprop_tile(dz, h_acc, weight, v0, v1, gh, grad_w, grad_b, first=s == 0)
             if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
-        return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 4
+        return _cast(grad_h, grad_w, grad_b, weight, bias, ctx.tie) + (None,) * 5
 
 
-def _cast(grad_h, grad_w, grad_b, weight, bias) -> tuple:
-    """The accumulated gradients in the parameters' dtypes."""
-    return (grad_h, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype))
+def _count_head(tie):
+    """The head's forward runs with `tie` (ops.tied): counted, kept for the backward."""
+    if tie is not None:
+        tie.heads += 1
+    return tie
+
+
+def _cast(grad_h, grad_w, grad_b, weight, bias, tie=None) -> tuple:
+    """The accumulated gradients in the parameters' dtypes; W's handed over to a tied embedding's lookup
+    (ops.tied) where it takes it."""
+    gw = None if grad_w is None else grad_w.to(weight.dtype)
+    if tie is not None and tie.take(gw):
+        gw = None  # the lookup's backward returns it, with its rows added
+    return (grad_h, gw, None if grad_b is None else grad_b.to(bias.dtype))
 
 
 def _backprop_tile(dz, h_acc, weight, v0: int, v1: int, gh, grad_w, grad_b, first: bool) -> None:
@@ -252,12 +265,13 @@ def chunked_logprobs(
     with_entropy: bool = False,
     scale: float = 1.0,
     softcap: float | None = None,
+    tie=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logp (N,), entropy (N,) | None) of `targets` under softmax(c·tanh(s·(hidden @ weight.T + bias)/c) / T).
-    `chunk`: the most rows a tile spans."""
+    `chunk`: the most rows a tile spans; `tie`: the forward's ops.tied.TiedGrad (a tied embedding), or None."""
     hm = HeadMap(float(scale), None if softcap is None else float(softcap), float(temperature))
     with torch.autocast(hidden.device.type, enabled=False):  # the head runs in its own dtype, never autocast
-        return _ChunkedLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, hm, int(chunk), bool(with_entropy))
+        return _ChunkedLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, hm, int(chunk), bool(with_entropy), tie)
 
 
 def head_logits(hidden, weight, bias=None, scale: float = 1.0, softcap: float | None = None,
@@ -277,7 +291,7 @@ class _ChunkedKeptLogProbs(torch.autograd.Function):
     accumulator as in _ChunkedLogProbs (no per-chunk (V x H) weight gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, kept, hm, temperature, rows, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, kept, hm, temperature, rows, want_entropy, tie):
         logp, ent = [], []
         for s in range(0, hidden.shape[0], rows):
             z, _ = _tile(hidden[s : s + rows], weight, bias, 0, weight.shape[0], hm)  # (r, V), temperature 1
@@ -285,7 +299,7 @@ class _ChunkedKeptLogProbs(torch.autograd.Function):
             logp.append(lp)
             ent.append(e)
         ctx.save_for_backward(hidden, weight, bias, targets, kept)
-        ctx.hm, ctx.temperature, ctx.rows = hm, temperature, rows
+        ctx.hm, ctx.temperature, ctx.rows, ctx.tie = hm, temperature, rows, _count_head(tie)
         entropy = torch.cat(ent) if want_entropy else None
         if want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -310,11 +324,11 @@ class _ChunkedKeptLogProbs(torch.autograd.Function):
                            first=s == 0)
             if grad_h is not None:
                 grad_h[s : s + rows] = gh.to(hidden.dtype)
-        return _cast(grad_h, grad_w, grad_b, weight, bias) + (None,) * 6
+        return _cast(grad_h, grad_w, grad_b, weight, bias, ctx.tie) + (None,) * 7
 
 
 def chunked_kept_logprobs(hidden, weight, targets, kept, bias=None, temperature: float = 1.0, scale: float = 1.0,
-                          softcap: float | None = None, chunk: int = 1024, with_entropy: bool = False):
+                          softcap: float | None = None, chunk: int = 1024, with_entropy: bool = False, tie=None):
     """(logp (N,), entropy (N,) | None): the kept-set log-probs (`ops.sampling.trainer_logprobs`, kept (N,) set
     sizes, 0 = not truncated) of softmax(c·tanh(s·(hidden @ weight.T + bias)/c) / T) restricted to each set,
     in chunks of whole rows of at most one tile of logits: (N, V) logits never exist at once."""
@@ -322,19 +336,21 @@ def chunked_kept_logprobs(hidden, weight, targets, kept, bias=None, temperature:
     rows = whole_rows(hidden.shape[0], hidden.shape[1], weight.shape[0], chunk)
     with torch.autocast(hidden.device.type, enabled=False):
         return _ChunkedKeptLogProbs.apply(hidden.to(weight.dtype), weight, bias, targets, kept.to(targets.device), hm,
-                                          float(temperature), rows, bool(with_entropy))
+                                          float(temperature), rows, bool(with_entropy), tie)
 
 
 @dataclass(frozen=True)
 class LogitHead:
     """What turns a model's last hidden states into its logits: z = c·tanh(s·(h·Wᵀ + b)/c) (models.forward.logit_head
     reads s and c from the model and checks them against its forward). Holds the tensors of one call (under FSDP
-    the gathered weight): build one per forward."""
+    the gathered weight): build one per forward. `tie`: that forward's ops.tied.TiedGrad where the weight is
+    also the input embeddings (pass it to the backbone's lookup too), else None."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: float = 1.0
     softcap: float | None = None
+    tie: TiedGrad | None = None
 
     def logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Full logits (M, V) fp32 of `hidden` (M, H)."""
@@ -350,9 +366,9 @@ class LogitHead:
         (the engine's kept-set sizes, 0 = not truncated) the set each token was drawn from."""
         if kept is not None and bool((kept > 0).any()):
             return chunked_kept_logprobs(hidden, self.weight, targets, kept, self.bias, temperature, self.scale,
-                                         self.softcap, chunk, with_entropy)
+                                         self.softcap, chunk, with_entropy, self.tie)
         return chunked_logprobs(hidden, self.weight, targets, self.bias, temperature, chunk, with_entropy,
-                                self.scale, self.softcap)
+                                self.scale, self.softcap, self.tie)
 
 
 def reference_logprobs(hidden, weight, targets, bias=None, temperature: float = 1.0, scale: float = 1.0,

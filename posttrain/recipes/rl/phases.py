@@ -163,7 +163,7 @@ def policy_logps(model, batch: RLBatch, temperature: float, mixed_precision: str
     reference's nucleus must not get log-prob −inf). entropy_grad: the entropy keeps its gradient (an entropy
     bonus; the temperature-only path only, which the config ensures)."""
     _, head = backbone_and_head(model)
-    h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
+    h = hidden_states(model, batch, mixed_precision, layout=batch.layout, tie=head.tie)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H) only where a loss token is predicted
     # the model's own logit transform (soft-cap, scale), in tiles: never (M x V) logits at once
     logp, ent = head.logprobs(h, batch.targets, temperature, kept=batch.kept if truncated else None,

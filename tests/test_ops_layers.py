@@ -126,6 +126,26 @@ def test_every_tiny_family_computes_what_it_computed(name):
         assert fused and all(n.endswith("Attention") for n in fused)
 
 
+@pytest.mark.parametrize("name", ["tiny-random", "tiny-random-qwen3"])
+def test_autocast_mlp_runs_each_projection_once_and_equals_the_class(name):
+    """Under bf16 autocast the kernel leaves the MLP to eager ops: the same formula on the projections already
+    computed (a second gate/up matmul would be half the MLP's forward again), bit-identical to the class's own."""
+    model, twin = load_model(name, seed=0, varlen_attention=False), build_tiny(name, seed=0)
+    calls = []
+    for m in model.modules():
+        if type(m).__name__.startswith("Fused") and hasattr(m, "gate_proj"):
+            for proj in (m.gate_proj, m.up_proj, m.down_proj):
+                proj.register_forward_hook(lambda mod, a, out: calls.append(mod))
+    ids = torch.randint(0, twin.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (model, twin):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append(m(input_ids=ids).logits)
+    layers_n = model.config.num_hidden_layers
+    assert len(calls) == 3 * layers_n and len(set(map(id, calls))) == 3 * layers_n
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_switch_round_trip_deepcopy_and_env_off(monkeypatch):
     model = load_model("tiny-random", seed=0, varlen_attention=False)
     fused = sum(type(m).__name__.startswith("Fused") for m in model.modules())

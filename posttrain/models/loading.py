@@ -155,10 +155,10 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", seed: int = 0, v
     SDPA for packed training rows (ops/attention.py) on every device: on CUDA its causal per-bucket
     SDPA calls run the flash / memory-efficient kernels, which a block-diagonal mask would rule out.
     Generation and any other call still use the stock SDPA path. A model on the CPU keeps freed host memory
-    in the process (ops/host_memory.py): a training step's large temporaries reuse heap pages; and its
-    torch.nn.Linear layers run their fp32 matmuls on oneDNN where MKL is slower (ops/linear.py: AVX-512
-    CPUs not Intel's); its
-    RMSNorm and SiLU-gated MLP layers and the attention's RoPE run fused forward and backward kernels (ops/layers.py).
+    in the process (ops/host_memory.py): a training step's large temporaries reuse heap pages; its
+    torch.nn.Linear layers run their fp32 matmuls on oneDNN where MKL is slower (ops/linear.py: AVX-512 CPUs
+    not Intel's); its RMSNorm and SiLU-gated MLP layers and the attention's RoPE run fused forward and backward
+    kernels (ops/layers.py).
     """
     model = _build(resolve(name), name, to_dtype(dtype), seed)
     if device is not None:

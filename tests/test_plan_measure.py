@@ -114,3 +114,24 @@ def test_rl_plan_counts_the_engine_and_the_shared_prompt(tmp_path):
     plain, shared = predict("tiny-random", "grpo", **keys), predict("tiny-random", "grpo", shared_prefix=True, **keys)
     per_token = plain["activation_bytes"] / (16 * 32)
     assert abs((plain["activation_bytes"] - shared["activation_bytes"]) - 4 * 3 * 20 * per_token) < 1e-6 * plain["activation_bytes"]
+
+
+def test_predict_run_leaves_out_the_embedding_gradient_where_the_tie_adds_into_the_head():
+    """A tied fp32 embedding trained on one CPU process has no second dense V×h gradient (ops/tied.py): the run's
+    prediction leaves it out; untied, frozen (LoRA-like) or bf16 weights keep it (the stock lookup backward)."""
+    from types import SimpleNamespace
+
+    from posttrain.models.builtin import build_tiny
+    from posttrain.training.plan import predict_run
+
+    cfg = SimpleNamespace(dtype="float32", mixed_precision="none", gradient_checkpointing=False)
+    keys = dict(steps=1, hardware=False, batch=8, seq_len=128)  # activations the largest transient
+    tied, untied = build_tiny("tiny-random"), build_tiny("tiny-random-qwen2")
+    a, b = predict_run(cfg, tied, "sft", **keys), predict(tied, "sft", dtype="fp32", logit_copies=0, batch=8, seq_len=128)
+    V, h = tied.config.vocab_size, tied.config.hidden_size
+    assert a["activation_bytes"] == b["activation_bytes"]
+    assert b["peak_bytes_estimate"] - a["peak_bytes_estimate"] == 4 * V * h
+    u = predict(untied, "sft", dtype="fp32", logit_copies=0, batch=8, seq_len=128)
+    assert predict_run(cfg, untied, "sft", **keys)["peak_bytes_estimate"] == u["peak_bytes_estimate"]
+    tied.get_input_embeddings().weight.requires_grad_(False)
+    assert predict_run(cfg, tied, "sft", **keys)["peak_bytes_estimate"] == b["peak_bytes_estimate"]

@@ -60,15 +60,19 @@ class TiedGrad:
 
 def tie_for(embedding, weight: torch.Tensor) -> TiedGrad | None:
     """A TiedGrad when the input `embedding` module and the head's `weight` qualify (see the module docstring)."""
-    if not (torch.is_grad_enabled() and weight.requires_grad and weight.dtype in _FLOATS and weight.device.type == "cpu"):
-        return None
+    return TiedGrad(embedding) if torch.is_grad_enabled() and qualifies(embedding, weight) else None
+
+
+def qualifies(embedding, weight: torch.Tensor | None) -> bool:
+    """Whether a forward with autograd on would tie `embedding` and the head's `weight` (tie_for): also what the
+    planner asks, to leave out the lookup's dense (V, H) gradient (posttrain.training.plan)."""
+    if weight is None or not (weight.requires_grad and weight.dtype in _FLOATS and weight.device.type == "cpu"):
+        return False
     if type(embedding) is not torch.nn.Embedding or embedding.weight is not weight:
-        return None
+        return False
     if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
-        return None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return None
-    return TiedGrad(embedding)
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 class _Lookup(torch.autograd.Function):

@@ -56,6 +56,9 @@ class PlanConfig(Config):
                                                         "backward (replaces the closed form; a recipe measures its model: training.memprobe)")
     shared_prefix: bool = Field(False, description="the training forward computes each group's prompt once and its samples "
                                 "attend to it (posttrain's RL trainer): (G - 1)·prompt_len fewer activation tokens per group")
+    embedding_grad_buffer: bool = Field(True, description="full fine-tuning: the input embedding's backward builds its own dense "
+                                        "V×h gradient (stock PyTorch); false where a tied embedding's rows are added into the "
+                                        "head's gradient instead (posttrain's forward on one CPU process, fp32 weights: ops/tied.py)")
     dtype: str = Field("bf16", description="dtype of frozen weights, KV cache and activations (bf16, fp16, fp32, fp8, int8, int4)")
     train_bytes_per_param: float = Field(16, gt=0, description="training state per trainable param (weights + grads + Adam m, v)")
     infer_bytes_per_param: Optional[float] = Field(None, gt=0, description="bytes per frozen param (default: from dtype)")

@@ -345,9 +345,10 @@ def _transients(cfg: PlanConfig, method: methods.Method, policy: ModelSpec, size
     if cfg.activation_bytes_per_token is not None:  # measured on the model itself (training.memprobe)
         activations = (cfg.activation_fixed_bytes or 0.0) + cfg.activation_bytes_per_token * _trained_tokens(cfg, micro, tokens_per_seq)
     trainable = _total(m["trainable"] for m in models)
-    # The input embedding's backward builds a dense V×h gradient before adding it into .grad (full FT only).
-    # (Measured activations already hold it.)
-    emb_grad = a.vocab * a.hidden * act_bytes if a is not None and not lora and cfg.activation_bytes_per_token is None else 0.0
+    # The input embedding's backward builds a dense V×h gradient before adding it into .grad (full FT only, and
+    # not where a tied embedding's rows go into the head's gradient). Measured activations already hold it.
+    dense = a is not None and not lora and cfg.embedding_grad_buffer and cfg.activation_bytes_per_token is None
+    emb_grad = a.vocab * a.hidden * act_bytes if dense else 0.0
     # Peak: states + the largest transient: activations of a micro-batch (+ that embedding gradient),
     # the KV cache of the rollout, or AdamW's sqrt(v) buffer during the optimizer step.
     optimizer = cost.optimizer_temp_bytes(trainable) if trainable is not None else 0.0

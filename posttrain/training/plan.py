@@ -15,6 +15,7 @@ import torch
 
 from posttrain.data.packing import Batch
 from posttrain.models.forward import token_logprobs, unwrap
+from posttrain.ops import tied
 from posttrain.plan import predict
 from posttrain.plan.cpu import run_hardware
 from posttrain.plan.measure import Measured, write_measured
@@ -34,13 +35,16 @@ def predict_run(cfg, model, method: str, *, steps: int, hardware: bool = True, m
     (plan.cpu.run_hardware). `keys`: the method's own planner keys (batch, seq_len, micro_batch, ...).
     `measure_activations`: the activations of a token-level loss measured on `model` (memprobe.activation_fit
     over `token_probe`) instead of the closed form; one process only."""
-    common = {"dtype": plan_dtype(cfg.dtype), "steps": max(steps, 1), "logit_copies": 0, **memory_saver_keys(cfg)}
+    hf = unwrap(model)
+    head = hf.get_output_embeddings()
+    common = {"dtype": plan_dtype(cfg.dtype), "steps": max(steps, 1), "logit_copies": 0, **memory_saver_keys(cfg),
+              "embedding_grad_buffer": not tied.qualifies(hf.get_input_embeddings(), getattr(head, "weight", None))}
     fit = activation_fit(model, token_probe(model, cfg.mixed_precision)) if measure_activations else None
     if fit:
         common.update(activation_fixed_bytes=fit["fixed"], activation_bytes_per_token=fit["per_token"])
     if hardware:
         common.update(run_hardware(model, cfg.dtype, cfg.mixed_precision))
-    return predict(unwrap(model), method, **common, **keys)
+    return predict(hf, method, **common, **keys)
 
 
 def token_probe(model, mixed_precision: str):

@@ -138,6 +138,31 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, uniforms: torc
     return tuple(_module.sample_plain(logits, t, uniforms.to(torch.float64).contiguous(), chunks))
 
 
+def _float_rows(z: torch.Tensor) -> bool:
+    """Whether the row kernels (softmax_rows_, exp_rows_) run on `z`: float32 CPU rows, AVX2, kernels built."""
+    return (z.dim() == 2 and z.device.type == "cpu" and z.dtype == torch.float32 and z.stride(1) == 1
+            and load() is not None and _module.sample_kernel_available())
+
+
+def softmax_rows_(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
+    """z (N, V) float32 logits -> (logp (N,), lse (N,), entropy (N,) | None), z overwritten by softmax(z), in two
+    passes per row (csrc/sample_kernel.cpp; `logprobs._softmax_in_place` is the eager twin), or None where the
+    kernel does not run. p = exp(z − lse) by the exp of `exp_rows_`, as a recomputing backward forms it; the
+    sums run in double."""
+    if not _float_rows(z):
+        return None
+    logp, lse, entropy = _module.softmax_rows_(z, targets.to(torch.int64).contiguous(), want_entropy)
+    return logp, lse, entropy if want_entropy else None
+
+
+def exp_rows_(z: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """z (N, V) <- exp(z − shift[:, None]) in place (float32; SLEEF's expf, which may differ from torch.exp by an
+    ulp); the eager ops elsewhere."""
+    if _float_rows(z) and shift.dtype == torch.float32:
+        return _module.exp_rows_(z, shift.contiguous())
+    return z.sub_(shift[:, None]).exp_()
+
+
 def group_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `group_attention` runs for tensors of this device, dtype and head size."""
     return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0

@@ -100,6 +100,8 @@ torch::Tensor round_bf16_(torch::Tensor t);
 // the engine's plain sampling rows (sample_kernel.cpp)
 std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms, int64_t chunks);
 bool sample_kernel_available();
+std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets, bool want_entropy);
+torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
@@ -117,6 +119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_split", &bf16_split, "float32 x -> (its bf16 cast, those values as float32), one pass");
   m.def("round_bf16_", &round_bf16_, "float32 t rounded to bf16 precision in place");
   m.def("sample_plain", &sample_plain, "inverse-CDF draw from softmax(logits / t): (tokens, log-probs)");
+  m.def("softmax_rows_", &softmax_rows_, "the head's kept softmax in place: (logp, lse, entropy)");
+  m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("group_attention", &group_attention, "decode attention over the group KV, visible keys only");
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");

@@ -11,12 +11,16 @@
 //
 // Only the order in which a chunk's float32 sum is added differs from torch's reduction, so a draw can
 // differ only where u*total falls within rounding of a CDF step. Rows run in parallel (at::parallel_for).
+//
+// Also here: the trainer's kept softmax over the LM head's logits (`softmax_rows_`, ops/logprobs.py), the same
+// max / exp / sum passes over rows of float32 logits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -86,9 +90,87 @@ void sample_row(const T* x, int64_t V, float t, double u, int64_t chunks, int64_
   *lp = (to_f(x[k]) / t - shift) - static_cast<float>(std::log(total));
 }
 
+// Sum of 8 float lanes added into two double accumulators (4 lanes each).
+inline void add_pd(__m256d& lo, __m256d& hi, __m256 w) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
+}
+
+inline double sum_pd(__m256d lo, __m256d hi) {
+  alignas(32) double l[4];
+  _mm256_store_pd(l, _mm256_add_pd(lo, hi));
+  return (l[0] + l[1]) + (l[2] + l[3]);
+}
+
+// One pass over a row of V float32 logits: y = z - shift, w = exp(y) (SLEEF expf u10, the tail through a
+// zero-padded vector as exp_block), w written over z when `store`; returns (sum w, sum w*y) in double.
+std::pair<double, double> exp_pass(float* z, int64_t V, float shift, bool store, bool weighted) {
+  const __m256 sh = _mm256_set1_ps(shift);
+  __m256d s0 = _mm256_setzero_pd(), s1 = s0, t0 = s0, t1 = s0;
+  alignas(32) float buf[8];
+  for (int64_t i = 0; i < V; i += 8) {
+    const int64_t k = std::min<int64_t>(8, V - i);
+    __m256 y;
+    if (k == 8) {
+      y = _mm256_sub_ps(_mm256_loadu_ps(z + i), sh);
+    } else {
+      for (int64_t l = 0; l < 8; ++l) buf[l] = l < k ? z[i + l] : 0.f;
+      y = _mm256_sub_ps(_mm256_load_ps(buf), sh);
+    }
+    __m256 w = Sleef_expf8_u10(y);
+    if (k < 8) {  // padding weighs nothing
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), lane));
+      w = _mm256_and_ps(w, keep);
+      y = _mm256_and_ps(y, keep);
+    }
+    if (store) {
+      if (k == 8) {
+        _mm256_storeu_ps(z + i, w);
+      } else {
+        _mm256_store_ps(buf, w);
+        std::memcpy(z + i, buf, k * sizeof(float));
+      }
+    }
+    add_pd(s0, s1, w);
+    if (weighted) add_pd(t0, t1, _mm256_mul_ps(w, y));
+  }
+  return {sum_pd(s0, s1), weighted ? sum_pd(t0, t1) : 0.0};
+}
+
 }  // namespace
 
 bool sample_kernel_available() { return true; }
+
+// The kept softmax of the trainer's LM head (ops/logprobs.py `_softmax_in_place`), rows in parallel, in place:
+//   m = max z, lse = m + log sum exp(z - m) (the sum in double), logp = z[target] - lse,
+//   z <- p = exp(z - lse)  (what a recomputing backward forms from the saved lse, with the same exp routine),
+//   entropy = -sum p * (z - lse) (double sum; only when asked).
+std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets, bool want_entropy) {
+  TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.dim() == 2 && z.stride(1) == 1, "z: (N, V) float32 CPU, rows contiguous");
+  TORCH_CHECK(targets.scalar_type() == at::kLong && targets.is_contiguous() && targets.numel() == z.size(0), "targets: (N,) int64");
+  const int64_t N = z.size(0), V = z.size(1), ld = z.stride(0);
+  TORCH_CHECK(V >= 1, "V >= 1");
+  auto logp = torch::empty({N}, z.options()), lse = torch::empty({N}, z.options());
+  auto ent = want_entropy ? torch::empty({N}, z.options()) : torch::empty({0}, z.options());
+  float* zp = z.data_ptr<float>();
+  const int64_t* tp = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "targets: row ", r, " is ", tp[r], ", outside [0, ", V, ")");
+  float *lp = logp.data_ptr<float>(), *lsp = lse.data_ptr<float>(), *ep = want_entropy ? ent.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = zp + r * ld;
+      const float m = row_max<float>(row, V);
+      const double s = exp_pass(row, V, m, false, false).first;
+      const float l = static_cast<float>(static_cast<double>(m) + std::log(s));
+      lsp[r] = l;
+      lp[r] = row[tp[r]] - l;
+      const double py = exp_pass(row, V, l, true, want_entropy).second;
+      if (want_entropy) ep[r] = static_cast<float>(-py);
+    }
+  });
+  return {logp, lse, ent};
+}
 
 std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temperature, torch::Tensor uniforms, int64_t chunks) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.stride(1) == 1, "logits: (N, V) CPU, rows contiguous");
@@ -118,8 +200,25 @@ std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temp
   return {tok, lp};
 }
 
+// z[r] <- exp(z[r] - shift[r]) in place, the exp of softmax_rows_ (a recomputing backward's tile of p).
+torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift) {
+  TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.dim() == 2 && z.stride(1) == 1, "z: (N, V) float32 CPU, rows contiguous");
+  TORCH_CHECK(shift.scalar_type() == at::kFloat && shift.is_contiguous() && shift.numel() == z.size(0), "shift: (N,) float32");
+  const int64_t N = z.size(0), V = z.size(1), ld = z.stride(0);
+  float* zp = z.data_ptr<float>();
+  const float* sp = shift.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) exp_pass(zp + r * ld, V, sp[r], true, false);
+  });
+  return z;
+}
+
 #else
 bool sample_kernel_available() { return false; }
+torch::Tensor exp_rows_(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "exp_rows_ needs an x86-64 CPU with AVX2"); }
+std::vector<torch::Tensor> softmax_rows_(torch::Tensor, torch::Tensor, bool) {
+  TORCH_CHECK(false, "softmax_rows_ needs an x86-64 CPU with AVX2");
+}
 std::vector<torch::Tensor> sample_plain(torch::Tensor, torch::Tensor, torch::Tensor, int64_t) {
   TORCH_CHECK(false, "sample_plain needs an x86-64 CPU with AVX2");
 }

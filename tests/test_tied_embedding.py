@@ -149,3 +149,31 @@ def test_tie_applies_only_where_it_is_safe():
     scaled = Scaled(4, 2)
     assert tied.tie_for(scaled, scaled.weight) is None
     assert tied.tie_for(emb, w.to(torch.bfloat16)) is None  # bf16 weights: rows added one by one would round
+
+
+def test_preference_forward_ties_the_embedding(tiny_tok, monkeypatch):
+    """DPO/KTO's shared-prefix forward (reference_cache.sequence_logps) hands the head's W gradient to the lookup
+    (no dense lookup buffer), with the stock gradients (fp64: equal to rounding)."""
+    from posttrain.data import prefix_batch
+    from posttrain.data.templates import Tokenized
+    from posttrain.recipes.reference_cache import sequence_logps
+
+    model = load_model("tiny-random", dtype=torch.float64)
+    groups = [([5, 9, 11, 4], [Tokenized([7, 8, 2], [1, 1, 1]), Tokenized([7, 3, 3, 2], [1, 1, 1, 1])]),
+              ([6, 9, 12], [Tokenized([10, 2], [1, 1]), Tokenized([13, 14, 2], [0, 1, 1])])]
+    batch = prefix_batch.build(groups, tiny_tok.pad_token_id)
+
+    def grads(use_tie: bool):
+        model.zero_grad(set_to_none=True)
+        with monkeypatch.context() as m:
+            if not use_tie:
+                m.setattr("posttrain.models.forward.tie_for", lambda *a: None)
+            logps = sequence_logps(model, batch)
+            counter = _Count()
+            with counter:
+                (logps * torch.tensor([1.0, -0.5, 0.25, 2.0], dtype=logps.dtype)).sum().backward()
+        return model.get_input_embeddings().weight.grad.clone(), counter.dense
+
+    (got, dense_tied), (want, dense_stock) = grads(True), grads(False)
+    assert dense_tied == 0 and dense_stock == 1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.abs().max()))

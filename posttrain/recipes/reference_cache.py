@@ -34,7 +34,7 @@ def sequence_logps(model, batch: PrefixBatch, mixed_precision: str = "none") -> 
     """(S,) Σ_t log π(y_t | x, y_<t) over each sequence's loss tokens; chosen and rejected (and every
     other continuation of the row) in one forward, lm_head only where a loss token is predicted."""
     _, head = backbone_and_head(model)
-    h = hidden_states(model, batch, mixed_precision, layout=batch.layout)  # (1, T, H)
+    h = hidden_states(model, batch, mixed_precision, layout=batch.layout, tie=head.tie)  # (1, T, H)
     h = h.reshape(-1, h.shape[-1]).index_select(0, batch.hidden_index)  # (M, H)
     logp, _ = head.logprobs(h, batch.targets)  # (M,) the model's logit transform (soft-cap, scale) included
     return batch.sums(logp)

@@ -109,8 +109,10 @@ def test_chosen_and_rejected_run_in_one_forward(tmp_path):
     run = dpo.setup(cfg)
     ids = copy.deepcopy(run.sampler).take(cfg.batch_size)
     shapes = []
-    handle = unwrap(run.model).model.register_forward_hook(lambda m, a, kw, out: shapes.append(kw["input_ids"].shape),
-                                                          with_kwargs=True)
+    def record(m, a, kw, out):  # token ids, or their rows where the tied embedding's lookup ran first (ops/tied.py)
+        shapes.append(kw["input_ids"].shape if kw.get("input_ids") is not None else kw["inputs_embeds"].shape[:2])
+
+    handle = unwrap(run.model).model.register_forward_hook(record, with_kwargs=True)
     dpo.dpo_step(run, 0)
     handle.remove()
     # one policy forward for the whole step: 8 prompts once, then their 16 completions

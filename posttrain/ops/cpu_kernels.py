@@ -148,9 +148,9 @@ def _float_rows(z: torch.Tensor) -> bool:
 
 
 def softmax_rows_(z: torch.Tensor, targets: torch.Tensor, want_entropy: bool):
-    """z (N, V) float32 logits -> (logp (N,), lse (N,), entropy (N,) | None), z overwritten by softmax(z), in two
-    passes per row (csrc/sample_kernel.cpp; `logprobs._softmax_in_place` is the eager twin), or None where the
-    kernel does not run. p = exp(z − lse) by the exp of `exp_rows_`, as a recomputing backward forms it; the
+    """z (N, V) float32 logits -> (logp (N,), lse (N,), entropy (N,) | None), z overwritten by softmax(z): a max
+    pass and two exp passes per row (csrc/sample_kernel.cpp; `logprobs._softmax_in_place` is the eager twin), or
+    None where the kernel does not run. p = exp(z − lse) by the exp of `exp_rows_`, as a recomputing backward forms it; the
     sums run in double."""
     if not _float_rows(z):
         return None

@@ -113,8 +113,8 @@ def _softmax_in_place(z, targets, want_entropy: bool, rows: int = 64):
     p = exp(z − lse), exactly as a recomputing backward forms p from the saved lse (a second backward gives
     the same gradient). One chunk-sized temporary (torch.logsumexp would make two); one (N, V) temporary per
     operation (~100 MB each at N = 490, V = 49152) would be a fresh mapping, page-faulted anew at every call.
-    H = −Σ p·log p. On x86 CPUs with AVX2 a fused kernel does the same in two passes per row
-    (cpu_kernels.softmax_rows_: no temporaries; sums in double)."""
+    H = −Σ p·log p. On x86 CPUs with AVX2 a fused kernel does the same in three passes per row (max, then
+    two exp passes: cpu_kernels.softmax_rows_; no temporaries, sums in double)."""
     fused = cpu_kernels.softmax_rows_(z, targets, want_entropy)
     if fused is not None:
         return fused

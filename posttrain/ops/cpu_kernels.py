@@ -80,7 +80,8 @@ def _build(name: str):
     # -fno-trapping-math: FP compares may be if-converted, so loops with clamps vectorize on AVX2 (GCC 12 left the
     # SwiGLU loops scalar there: 2-3x slower than eager; an SFT step -4% with them vectorized, AMD Zen 3). It allows
     # no reassociation or contraction: every element's result is the same.
-    args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp"))],
+    parts = ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp", "gemm_kernel.cpp")
+    args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in parts)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
     with open(build_dir / "posttrain.flock", "w") as guard:
@@ -183,3 +184,31 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     sliding window or None. -> (B, H*D) in q's dtype."""
     q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
     return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0)
+
+
+def gemm_runs(w: torch.Tensor) -> bool:
+    """Whether `gemm_pack` / `gemm_packed` run for the weight `w`: a 2-d float32 or bf16 CPU tensor, and the kernel
+    built (x86-64 with AVX2 and FMA)."""
+    return (w.dim() == 2 and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+            and load() is not None and _module.gemm_kernel_available())
+
+
+def gemm_pack(w: torch.Tensor) -> torch.Tensor:
+    """w (N, K), float32 or bf16 (widened exactly) -> float32 panels (⌈N/NR⌉, K, NR) for `gemm_packed`
+    (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512). Only where `gemm_runs(w)`."""
+    return _module.gemm_pack(w.detach())
+
+
+def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 -> x·Wᵀ (+ bias) (+ residual), (M, n) float32, W the (n, K) weight `packed` holds. Each
+    output is a float32 FMA chain over k in order, then + bias, then + residual: the same values for any M and
+    thread count. The eager twin: `gemm_ref`."""
+    return _module.gemm_packed(x.contiguous(), packed, n, bias, residual)
+
+
+def gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What `gemm_packed` computes, with torch's ops (another summation order)."""
+    out = F.linear(x, w.float(), None if bias is None else bias.float())
+    return out if residual is None else out + residual

@@ -137,11 +137,25 @@ def _prefer_fp32_for_bf16(choice: str) -> bool:
     return choice == "fp32" or (choice == "auto" and (not NATIVE_BF16 or (_mkl_on_intel() and not _amx_usable())))
 
 
+def _prefer_engine_gemm(choice: str) -> bool:
+    """Decode-shaped fp32 GEMMs (1 to a few hundred rows against a packed weight) on posttrain's kernel: `auto` where
+    it was measured faster, an x86 CPU without AVX-512 (AMD EPYC Zen 3, 2 threads, SmolLM2-135M's linears in
+    decode order: 8 rows 97-104 GFLOP/s vs oneDNN's 49-58, 32 rows 153-164 vs 105-107, 64 rows 175-180 vs 123-128,
+    512 rows 156-164 vs 132-144); oneDNN elsewhere until measured there. The kernel itself runs on any x86-64
+    with AVX2 and FMA (`cpu_kernels.gemm_runs`)."""
+    if choice not in ("auto", "posttrain", "onednn"):
+        raise ValueError(f"POSTTRAIN_ENGINE_GEMM must be auto, posttrain or onednn, not {choice!r}")
+    return choice == "posttrain" or (choice == "auto" and _x86() and not _cpu_flag("avx512f"))
+
+
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
 ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
 NATIVE_BF16 = _native_bf16()  # bf16 dot-product instructions (else bf16 matmuls convert in software)
 BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
 MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
+# the rollout engine's float32 linears (rollout.runner._Linear) on posttrain's packed GEMM (csrc/gemm_kernel.cpp)
+# instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
+ENGINE_GEMM = _prefer_engine_gemm(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))
 # the rollout engine's packed bf16 weights kept widened to fp32 (rollout.runner._Linear): only where bf16 matmuls
 # convert in software (at decode shapes, 64 rows, 2-3x slower than fp32 there); `native` turns it off
 WIDEN_PACKED_BF16 = BF16_VIA_FP32 and not NATIVE_BF16

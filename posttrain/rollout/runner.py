@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from posttrain.models.device import is_cpu
 from posttrain.models.forward import unwrap
 from posttrain.ops import cpu_kernels
-from posttrain.ops.linear import WIDEN_PACKED_BF16
+from posttrain.ops.linear import ENGINE_GEMM, WIDEN_PACKED_BF16
 from posttrain.rollout import arch
 from posttrain.rollout.arch import effective_weight
 
@@ -121,22 +121,23 @@ def _residual(lin, a: torch.Tensor, x: torch.Tensor, post) -> torch.Tensor:
 class _Linear:
     """x -> concat of `mods`' outputs (e.g. q|k|v, gate|up): one matmul over a packed copy.
 
-    Packed on CPU: the concatenated weight reordered once into oneDNN's blocked layout
-    (`mkldnn._reorder_linear_weight`, what torch.compile's CPU freezing uses), so no call re-lays it
-    out: at decode shapes (M = 64) bf16/AMX matmuls run 1.3-2.7x faster than `x @ W^T`, fp32 ones up
-    to 1.3x. Elsewhere (or if this torch build lacks the op): W^T of the concatenation, contiguous
-    (in, out), which MKL runs ~30% faster than F.linear at decode sizes. On a CPU without bf16 dot-product
-    instructions (x86 AVX2: `ops.linear.WIDEN_PACKED_BF16`), a bf16 copy is kept widened to fp32 and run as fp32
-    GEMMs (bf16 in, bf16 out, one rounding): twice the bytes, and at decode shapes 2-3x faster than torch's
-    software bf16 GEMM (AMD EPYC Zen 3). The copy is rebuilt by
+    Packed on CPU, float32: posttrain's own panels (`cpu_kernels.gemm_pack`, csrc/gemm_kernel.cpp) where
+    `ops.linear.ENGINE_GEMM` chooses it (x86 without AVX-512: 1.4-2x oneDNN's packed linear at 8-64 rows);
+    else the concatenated weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
+    what torch.compile's CPU freezing uses), so no call re-lays it out: at decode shapes (M = 64) bf16/AMX
+    matmuls run 1.3-2.7x faster than `x @ W^T`, fp32 ones up to 1.3x. Elsewhere (or if this torch build lacks
+    the op): W^T of the concatenation, contiguous (in, out), which MKL runs ~30% faster than F.linear at decode
+    sizes. On a CPU without bf16 dot-product instructions (x86 AVX2: `ops.linear.WIDEN_PACKED_BF16`), a bf16
+    copy is kept widened to fp32 and run as fp32 GEMMs (bf16 in, bf16 out, one rounding): twice the bytes, and
+    at decode shapes 2-3x faster than torch's software bf16 GEMM (AMD EPYC Zen 3). The copy is rebuilt by
     `refresh()` (the engine calls it when the weights change). Unpacked: reads the modules' weights
     at every call (no extra memory; a LoRA layer's merged weight is recomputed per call)."""
 
     def __init__(self, mods, pack: bool, batch_hint: int = 64, dtype: torch.dtype | None = None):
         self.mods, self.pack, self.batch_hint, self.dtype = mods, pack, batch_hint, dtype
         self.lora = [arch.is_lora(m) for m in mods]  # LoRA layers: read merged (arch.effective_weight)
-        self.w = self.b = None  # the packed copy: oneDNN blocked (self.onednn) or W^T
-        self.onednn = self.widen = False
+        self.w = self.b = None  # the packed copy: posttrain's panels (self.kind "gemm"), oneDNN blocked, or W^T
+        self.kind, self.widen = "wt", False
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -151,10 +152,14 @@ class _Linear:
         # GEMMs, each result rounded to bf16 once (products of bf16 numbers are exact in fp32: the same matmul)
         self.widen = w.dtype == torch.bfloat16 and is_cpu(w) and WIDEN_PACKED_BF16
         if self.widen:
-            w, self.b = w.float(), None if self.b is None else self.b.float()
+            self.b = None if self.b is None else self.b.float()
+        if (w.dtype == torch.float32 or self.widen) and ENGINE_GEMM and cpu_kernels.gemm_runs(w):
+            self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w), w.shape[0]  # bf16 widened while packed
+            return
+        w = w.float() if self.widen else w
         blocked = _onednn_pack(w, self.batch_hint)
-        self.onednn = blocked is not None
-        self.w = blocked if self.onednn else w.t().contiguous()
+        self.kind = "onednn" if blocked is not None else "wt"
+        self.w = blocked if blocked is not None else w.t().contiguous()
 
     def __call__(self, x, residual=None):
         """linear(x) (+ residual, fused into the matmul's epilogue where the packed path allows)."""
@@ -163,7 +168,9 @@ class _Linear:
         return self._matmul(x, residual)
 
     def _matmul(self, x, residual):
-        if self.onednn:
+        if self.kind == "gemm":
+            return cpu_kernels.gemm_packed(x, self.w, self.n, self.b, residual)
+        if self.kind == "onednn":
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, self.w, self.b, "add")
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.w, self.b, "none", [], "")

@@ -77,6 +77,16 @@ def test_bf16_weights_pack_as_their_float32_values():
 
 
 @needs_kernel
+def test_repacking_into_the_previous_panels():
+    w1, w2 = torch.randn(37, 20), torch.randn(37, 20)
+    first = K.gemm_pack(w1)
+    again = K.gemm_pack(w2, first)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, K.gemm_pack(w2))
+    other = K.gemm_pack(torch.randn(37, 21), first)  # does not fit: fresh panels, the old ones untouched
+    assert other.data_ptr() != first.data_ptr() and torch.equal(first, K.gemm_pack(w2))
+
+
+@needs_kernel
 def test_mismatched_operands_are_refused():
     packed = K.gemm_pack(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="does not match"):

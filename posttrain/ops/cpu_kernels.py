@@ -193,10 +193,11 @@ def gemm_runs(w: torch.Tensor) -> bool:
             and load() is not None and _module.gemm_kernel_available())
 
 
-def gemm_pack(w: torch.Tensor) -> torch.Tensor:
+def gemm_pack(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """w (N, K), float32 or bf16 (widened exactly) -> float32 panels (⌈N/NR⌉, K, NR) for `gemm_packed`
-    (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512). Only where `gemm_runs(w)`."""
-    return _module.gemm_pack(w.detach())
+    (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512), written into `into` (a previous packing of a
+    weight of the same shape) when it fits: a weight sync then re-packs in place. Only where `gemm_runs(w)`."""
+    return _module.gemm_pack(w.detach(), into)
 
 
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

@@ -154,7 +154,8 @@ class _Linear:
         if self.widen:
             self.b = None if self.b is None else self.b.float()
         if (w.dtype == torch.float32 or self.widen) and ENGINE_GEMM and cpu_kernels.gemm_runs(w):
-            self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w), w.shape[0]  # bf16 widened while packed
+            into = self.w if self.kind == "gemm" else None  # re-packed in place after a weight change
+            self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w, into), w.shape[0]  # bf16 widened while packed
             return
         w = w.float() if self.widen else w
         blocked = _onednn_pack(w, self.batch_hint)

@@ -107,7 +107,7 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
 bool group_attention_available();
 // the engine's float32 linears against packed weights (gemm_kernel.cpp)
-torch::Tensor gemm_pack(torch::Tensor w);
+torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual);
 bool gemm_kernel_available();
@@ -129,7 +129,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("group_attention", &group_attention, "decode attention over the group KV, visible keys only");
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
-  m.def("gemm_pack", &gemm_pack, "weight (N, K) -> float32 panels (P, K, NR) for gemm_packed");
+  m.def("gemm_pack", &gemm_pack, "weight (N, K) -> float32 panels (P, K, NR) for gemm_packed, into `into` if it fits",
+        py::arg("w"), py::arg("into") = py::none());
   m.def("gemm_packed", &gemm_packed, "x (M, K) float32 @ packed weight^T (+ bias) (+ residual) -> (M, N)");
   m.def("gemm_kernel_available", &gemm_kernel_available, "whether gemm_packed was built (x86-64 with AVX2 and FMA)");
   m.def("gemm_panel_width", &gemm_panel_width, "output columns per packed panel (16 with AVX2, 32 with AVX-512)");

@@ -112,15 +112,45 @@ void run_tile(const Tile& t, int64_t rows) {
   }
 }
 
+// Eight rows r[0..8) of 8 values each -> out + i*ld holds column i of them (an 8 x 8 transpose in registers).
+inline void transpose8(const __m256 r[8], float* out, int64_t ld) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  // u[i], i < 4: column i of rows 0-3 in the low lanes and column i + 4 in the high ones; u[4 + i]: rows 4-7
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * ld, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+  }
+}
+
+// W (N, K) -> panels: panel p's element (k, c) = W[p*NR + c][k], zero past N. Whole 8 x 8 blocks in registers,
+// the k tail and a partial last panel element by element.
 template <typename T>
 void pack_panels(const T* w, int64_t N, int64_t K, float* out) {
-  const int64_t P = (N + NR - 1) / NR;
+  const int64_t P = (N + NR - 1) / NR, K8 = K / 8 * 8;
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       float* o = out + p * K * NR;
       const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+      const T* src = w + p * NR * K;
+      for (int64_t c0 = 0; c0 + 8 <= cols; c0 += 8)
+        for (int64_t k = 0; k < K8; k += 8) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i) r[i] = posttrain_vec::load8(src + (c0 + i) * K + k);
+          transpose8(r, o + k * NR + c0, NR);
+        }
+      const int64_t full = cols / 8 * 8;
       for (int64_t k = 0; k < K; ++k) {
-        for (int64_t c = 0; c < cols; ++c) o[k * NR + c] = posttrain_bf16::to_f(w[(p * NR + c) * K + k]);
+        for (int64_t c = k < K8 ? full : 0; c < cols; ++c) o[k * NR + c] = posttrain_bf16::to_f(src[c * K + k]);
         for (int64_t c = cols; c < NR; ++c) o[k * NR + c] = 0.f;
       }
     }
@@ -132,12 +162,16 @@ void pack_panels(const T* w, int64_t N, int64_t K, float* out) {
 bool gemm_kernel_available() { return true; }
 int64_t gemm_panel_width() { return NR; }
 
-// w (N, K) float32 or bf16 (widened exactly) -> (P, K, NR) float32 panels
-torch::Tensor gemm_pack(torch::Tensor w) {
+// w (N, K) float32 or bf16 (widened exactly) -> (P, K, NR) float32 panels, written into `into` when it is given
+// and fits (a weight change re-packs in place: no fresh pages to fault in)
+torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "gemm_pack: a 2-d CPU weight");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  auto out = torch::empty({(N + NR - 1) / NR, K, NR}, w.options().dtype(torch::kFloat32));
+  const std::vector<int64_t> shape{(N + NR - 1) / NR, K, NR};
+  const bool reuse = into.has_value() && into->sizes() == c10::IntArrayRef(shape) && into->is_contiguous() &&
+                     into->scalar_type() == torch::kFloat32 && into->device().is_cpu();
+  auto out = reuse ? *into : torch::empty(shape, w.options().dtype(torch::kFloat32));
   if (w.scalar_type() == torch::kFloat32) {
     pack_panels(w.data_ptr<float>(), N, K, out.data_ptr<float>());
   } else {
@@ -199,7 +233,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
 
 bool gemm_kernel_available() { return false; }
 int64_t gemm_panel_width() { return 0; }
-torch::Tensor gemm_pack(torch::Tensor) { TORCH_CHECK(false, "gemm_pack needs an x86-64 CPU with AVX2 and FMA"); }
+torch::Tensor gemm_pack(torch::Tensor, c10::optional<torch::Tensor>) { TORCH_CHECK(false, "gemm_pack needs an x86-64 CPU with AVX2 and FMA"); }
 torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gemm_packed needs an x86-64 CPU with AVX2 and FMA");
 }

@@ -44,21 +44,23 @@ def test_rmsnorm_kernel_matches_eager_and_hf(rows, H):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 64, 257])
-def test_rope_kernel_equals_eager_and_hf(rows):
+def test_rope_kernel_equals_eager_and_hf(rows, dtype):
     g = torch.Generator().manual_seed(rows)
     D, heads, kv = 64, 9, 3
-    qkv = torch.randn(rows, (heads + 2 * kv) * D, generator=g).bfloat16()
+    qkv = torch.randn(rows, (heads + 2 * kv) * D, generator=g).to(dtype)
     x = qkv[:, :(heads + kv) * D].view(rows, heads + kv, D)  # q and k heads, rows strided like the engine's
     ang = torch.rand(rows, D // 2, generator=g) * 50
-    cos = torch.cat([ang.cos(), ang.cos()], -1).bfloat16()
-    sin = torch.cat([ang.sin(), ang.sin()], -1).bfloat16()
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
     sin_signed = torch.cat([-sin[:, :D // 2], sin[:, D // 2:]], -1)
     ref = K.rope_ref(x, cos, sin_signed)
     q_hf, _ = apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), cos, sin, unsqueeze_dim=0)
     assert torch.equal(ref, q_hf.transpose(0, 1))
     got = K.rope(x, cos, sin_signed)
-    assert torch.equal(got, ref)
+    assert got.dtype == dtype and torch.equal(got, ref)
+    assert torch.equal(K._module.rope(x, cos, sin_signed), ref)  # the kernel itself, not a fallback
 
 
 def test_fallback_for_float32_and_odd_layouts():

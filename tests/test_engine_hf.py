@@ -223,7 +223,7 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
     assert max(abs(x - y) for s, t in zip(a.samples, b.samples) for x, y in zip(s.logprobs, t.logprobs)) < 1e-5
     lin = packed.runner.gate_up[0]
-    w = lin.w
+    w = lin.w.clone()  # (posttrain's GEMM re-packs in place: compare contents)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     with torch.enable_grad():
         model(torch.tensor([PROMPTS[1]])).logits.float().pow(2).mean().backward()
@@ -231,7 +231,7 @@ def test_packed_weights_follow_optimizer_steps_between_steps_and_data_writes():
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     packed.add_request(Request(PROMPTS[2], greedy))
     packed.step()
-    assert lin.w is not w  # rebuilt from the new weights
+    assert not torch.equal(lin.w, w)  # rebuilt from the new weights
     m = model.model.layers[0].mlp
     x = torch.randn(3, m.gate_proj.weight.shape[1])
     with torch.no_grad():
@@ -358,3 +358,24 @@ def test_bf16_compute_over_fp32_weights_is_the_bf16_model(name):
     same_as_cast()
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the master weights stay fp32
     assert mixed.memory_bytes() < engine(model).memory_bytes()  # KV and packed copies at half the bytes
+
+
+def test_fp32_engine_computes_norms_and_swiglu_as_the_trainer_does():
+    """Where load_model switched a module to its fused class (training runs the float32 kernels), the engine runs the
+    same kernels for it, bit for bit; a module left eager keeps the eager ops in the engine too."""
+    from posttrain.ops import cpu_kernels, layers
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the fused CPU kernels could not be built here")
+    model = load_model("tiny-random")
+    layer, H = model.model.layers[0], model.config.hidden_size
+    x = torch.randn(5, H)
+    g, u = torch.randn(5, 2 * layer.mlp.gate_proj.out_features).chunk(2, -1)  # strided halves, as in the engine
+    with torch.no_grad():
+        for fused in (True, False):
+            layers.use_fused_layers(model, enabled=fused)
+            runner = engine(model).runner
+            assert runner.attn_in[0].fused == fused and runner.fused_mlp[0] == fused
+            assert torch.equal(runner.attn_in[0](x), layer.input_layernorm(x))
+            expect = layers.swiglu(g.contiguous(), u.contiguous()) if fused else torch.nn.functional.silu(g) * u
+            assert torch.equal(runner._gated(0, g, u), expect)

@@ -60,6 +60,14 @@ def test_swiglu_values_and_gradients_match_eager(shape):
     assert ((gg - gg_ref).abs() <= 16 * U * gg_scale + 1e-37).all()
 
 
+def test_swiglu_rows_of_a_wider_tensor_equal_the_contiguous_kernel():
+    gu = 4 * torch.randn(13, 2 * 96, generator=torch.Generator().manual_seed(3))
+    g, u = gu[:, :96], gu[:, 96:]  # the engine's gate|up halves: strided rows, no copies
+    h = layers.swiglu_rows(g, u)
+    assert h.shape == (13, 96) and torch.equal(h, layers.swiglu(g.contiguous(), u.contiguous()))
+    assert layers.swiglu_rows(g.bfloat16(), u.bfloat16()) is None and layers.swiglu_rows(g.t(), u.t()) is None
+
+
 def test_kernels_apply_only_to_float32_cpu_plain_tensors():
     x = torch.randn(4, 8)
     assert layers.rmsnorm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None

@@ -126,7 +126,10 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 3 and cos.is_contiguous() and sin_signed.is_contiguous() and _usable(x, cos, sin_signed):
+    """`rope_ref` in one pass for bf16 or float32 CPU tensors of one dtype (the same roundings: bit for bit)."""
+    if (x.dim() == 3 and cos.is_contiguous() and sin_signed.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)
+            and all(t.device.type == "cpu" and t.dtype == x.dtype and t.stride(-1) == 1 for t in (x, cos, sin_signed))
+            and load() is not None):
         return _module.rope(x, cos, sin_signed)
     return rope_ref(x, cos, sin_signed)
 

@@ -296,6 +296,21 @@ def _subclass(module, forward, agrees) -> type | None:
     return _SUBCLASSES[cls]
 
 
+def is_fused(module) -> bool:
+    """Whether the module runs a fused subclass's forward (training computes it with the kernels where they apply):
+    the rollout engine then computes the same kernels for it (`rmsnorm`, `swiglu_rows`), so sampler and trainer agree."""
+    return module is not None and type(module) in _SUBCLASSES.values()
+
+
+def swiglu_rows(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """silu(g) * u of 2-d float32 CPU rows with contiguous columns (the halves of a wider tensor, no copies), no
+    gradient: `swiglu`'s kernel and exp, or None where it does not apply."""
+    if not (g.dim() == 2 and g.dtype == u.dtype == torch.float32 and g.shape == u.shape and g.stride(1) == u.stride(1) == 1
+            and _plain_cpu(g, u) and g.numel() and _kernels() is not None):
+        return None
+    return cpu_kernels.load().swiglu_fwd(g, u)
+
+
 def use_fused_layers(model: torch.nn.Module, enabled: bool = True) -> int:
     """Give the RMSNorm, gated-MLP and RoPE attention modules of a CPU model their fused subclasses
     (enabled=False: back to the original classes); returns how many modules changed. A no-op where the kernels

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from posttrain.models.device import is_cpu
 from posttrain.models.forward import unwrap
-from posttrain.ops import cpu_kernels
+from posttrain.ops import cpu_kernels, layers
 from posttrain.ops.linear import ENGINE_GEMM, WIDEN_PACKED_BF16
 from posttrain.rollout import arch
 from posttrain.rollout.arch import effective_weight
@@ -58,6 +58,7 @@ class _Norm:
 
     def __init__(self, mod, kind: str, dtype: torch.dtype | None = None):
         self.mod, self.kind, self.dtype, self.w = mod, kind, dtype, None
+        self.fused = layers.is_fused(mod)  # the module's forward runs the fused float32 kernel: so does the engine
         eps = getattr(mod, "variance_epsilon", None)
         self.eps = mod.eps if eps is None else eps
 
@@ -69,6 +70,8 @@ class _Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.mod.weight if self.w is None else self.w
         if self.kind == "llama":
+            if self.fused and (out := layers.rmsnorm(x, w, self.eps)) is not None:  # float32: training's kernel
+                return out
             if x.dim() == 2:
                 return cpu_kernels.rmsnorm(x, w, self.eps)
             return cpu_kernels.rmsnorm(x.reshape(-1, x.shape[-1]), w, self.eps).view(x.shape)
@@ -305,6 +308,7 @@ class Runner:
         self.q_norm = [norm(a.q_norm) for a in attn] if fam.qk_norm else None
         self.k_norm = [norm(a.k_norm) for a in attn] if fam.qk_norm else None
         self.act = self.recipe.act
+        self.fused_mlp = [layers.is_fused(m) for m in mlp]  # SiLU-gated MLPs switched to the fused kernel (ops.layers)
 
     def _rope_table(self, rope: arch.Rope, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_signed), each (max_len, rotary_dim): HF's emb = cat(freqs, freqs), cos/sin times
@@ -418,8 +422,14 @@ class Runner:
             x = _residual(self.o[i], attend(i, q, k, v), x, self.attn_out[i])  # x + [post-norm] o_proj(attn)
             gu = self.gate_up[i](x if self.mlp_in[i] is None else self.mlp_in[i](x))
             I = gu.shape[1] // 2
-            x = _residual(self.down[i], self.act(gu[:, :I]) * gu[:, I:], x, self.mlp_out[i])  # x + down(act(gate) * up)
+            x = _residual(self.down[i], self._gated(i, gu[:, :I], gu[:, I:]), x, self.mlp_out[i])  # x + down(act(gate) * up)
         return self.norm(x)
+
+    def _gated(self, i: int, g, u):
+        """act(g) * u; float32 through training's SwiGLU kernel where layer i's MLP module runs it (same exp)."""
+        if self.fused_mlp[i] and (h := layers.swiglu_rows(g, u)) is not None:
+            return h
+        return self.act(g) * u
 
     def _qkv(self, i: int, x, cos, sin):
         """Layer i's attention inputs from the residual stream x (N, H): q (N, heads, D), k/v (N, kv_heads, D),

@@ -4,7 +4,7 @@
 // at decode shapes (64 rows) eager bf16 elementwise ops cost ~10 us each, mostly fixed overhead.
 //
 //   rmsnorm(x, w, eps)        HF LlamaRMSNorm: h = float(x) * rsqrt(mean(float(x)^2) + eps); w * bf16(h)
-//   rope(x, cos, sin_signed)  x (N, H, D) row-strided: x*cos + cat(x2, x1)*sin_signed, each product rounded
+//   rope(x, cos, sin_signed)  x (N, H, D) row-strided, bf16 or float32: x*cos + cat(x2, x1)*sin_signed, each product rounded
 //
 // bf16 <-> float conversions are written out (round to nearest even, NaN kept) so loops vectorize.
 // Serial loops: at decode sizes a thread team costs more than it saves. (A SwiGLU kernel was tried:
@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 
@@ -58,33 +59,54 @@ torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
+// RoPE's products and sum each rounded, as the eager ops round them: no contraction into FMAs (GCC contracts by
+// default in C++ too)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+namespace {
+
+// out[n, h] = x[n, h] * cos[n] + swap_halves(x[n, h]) * sin_signed[n], each product and the sum rounded to T as the
+// eager ops round them (T = uint16_t: bf16 bits; float: float32, no rounding step)
+template <typename T>
+void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t N, int64_t H, int64_t D, int64_t sn, int64_t sh) {
+  using posttrain_bf16::put;
+  using posttrain_bf16::to_f;
+  const int64_t half = D / 2;
+  auto rnd = [](float v) { return std::is_same<T, float>::value ? v : round_bf(v); };
+  for (int64_t n = 0; n < N; ++n) {
+    const T *c = cp + n * D, *s = sp + n * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const T* r = xp + n * sn + h * sh;
+      T* o = op + (n * H + h) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) put(o + d, rnd(to_f(r[d]) * to_f(c[d])) + rnd(to_f(r[d + half]) * to_f(s[d])));
+#pragma omp simd
+      for (int64_t d = half; d < D; ++d) put(o + d, rnd(to_f(r[d]) * to_f(c[d])) + rnd(to_f(r[d - half]) * to_f(s[d])));
+    }
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed) {
-  check_bf16(x, "x");
-  check_bf16(cos, "cos");
-  check_bf16(sin_signed, "sin_signed");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "rope: bf16 or float32");
+  for (const auto& t : {x, cos, sin_signed})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.stride(-1) == 1, "rope: CPU tensors of one dtype, last dimension contiguous");
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 2 && cos.sizes() == sin_signed.sizes() && cos.size(0) == x.size(0) &&
                   cos.size(1) == x.size(2) && x.size(2) % 2 == 0 && cos.is_contiguous() && sin_signed.is_contiguous(),
               "rope: x (N, H, D), cos/sin (N, D)");
-  const int64_t N = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t sn = x.stride(0), sh = x.stride(1);
+  const int64_t N = x.size(0), H = x.size(1), D = x.size(2);
   auto out = torch::empty({N, H, D}, x.options());
-  const uint16_t *xp = cptr(x), *cp = cptr(cos), *sp = cptr(sin_signed);
-  uint16_t* op = mptr(out);
-  for (int64_t n = 0; n < N; ++n) {
-    {
-      const uint16_t *c = cp + n * D, *s = sp + n * D;
-      for (int64_t h = 0; h < H; ++h) {
-        const uint16_t* r = xp + n * sn + h * sh;
-        uint16_t* o = op + (n * H + h) * D;
-#pragma omp simd
-        for (int64_t d = 0; d < half; ++d)
-          o[d] = f2bf(round_bf(bf2f(r[d]) * bf2f(c[d])) + round_bf(bf2f(r[d + half]) * bf2f(s[d])));
-#pragma omp simd
-        for (int64_t d = half; d < D; ++d)
-          o[d] = f2bf(round_bf(bf2f(r[d]) * bf2f(c[d])) + round_bf(bf2f(r[d - half]) * bf2f(s[d])));
-      }
-    }
-  }
+  if (dt == at::kBFloat16)
+    rope_rows(cptr(x), cptr(cos), cptr(sin_signed), mptr(out), N, H, D, x.stride(0), x.stride(1));
+  else
+    rope_rows(x.data_ptr<float>(), cos.data_ptr<float>(), sin_signed.data_ptr<float>(), out.data_ptr<float>(), N, H, D,
+              x.stride(0), x.stride(1));
   return out;
 }
 
@@ -115,7 +137,7 @@ int64_t gemm_panel_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
-  m.def("rope", &rope, "rotary embedding, bf16");
+  m.def("rope", &rope, "rotary embedding, bf16 or float32");
   m.def("swiglu_fwd", &swiglu_fwd, "silu(g) * u, float32");
   m.def("swiglu_bwd", &swiglu_bwd, "gradients of silu(g) * u: (gg, gu)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "float32 RMSNorm for training: (out, rstd)");

@@ -58,9 +58,27 @@ void check_f32(const torch::Tensor& t, const char* name) {
 }  // namespace
 
 torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u) {
+  TORCH_CHECK(g.sizes() == u.sizes(), "swiglu_fwd: g and u of one shape");
+  if (g.dim() == 2 && !(g.is_contiguous() && u.is_contiguous())) {  // rows of a wider tensor (the engine's gate|up halves)
+    for (const auto& t : {g, u})
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.stride(1) == 1,
+                  "swiglu_fwd: float32 CPU rows with contiguous columns");
+    const int64_t N = g.size(0), I = g.size(1), lg = g.stride(0), lu = u.stride(0);
+    auto h = torch::empty({N, I}, g.options());
+    const float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    at::parallel_for(0, N, std::max<int64_t>(1, kGrain / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const float *gr = gp + r * lg, *ur = up + r * lu;
+        float* hr = hp + r * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; ++i) hr[i] = gr[i] / (1.0f + exp_approx(-gr[i])) * ur[i];
+      }
+    });
+    return h;
+  }
   check_f32(g, "g");
   check_f32(u, "u");
-  TORCH_CHECK(g.sizes() == u.sizes(), "swiglu_fwd: g and u of one shape");
   auto h = torch::empty_like(g);
   const float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
   float* hp = h.data_ptr<float>();

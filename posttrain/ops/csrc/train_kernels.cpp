@@ -27,6 +27,10 @@
 
 #include "bf16.h"
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // exp(x) = 2^n * exp(r), n = round(x / ln 2), r = x - n ln 2 (two-part ln 2), exp(r) by Cephes' expf polynomial
@@ -47,6 +51,51 @@ inline float exp_approx(float x) {
   std::memcpy(&scale, &bits, 4);
   return p * scale;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_approx on 8 lanes, the same steps written as AVX2 instructions (the compiler left the scalar form's
+// clamps as compare + blend and ran SwiGLU at ~2.5 ns per element on AMD Zen 3)
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 magic = _mm256_set1_ps(12582912.0f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic), magic);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// h[i] = g[i] / (1 + exp(-g[i])) * u[i] for i < n, 8 at a time; a short tail through zero-padded vectors, so every
+// element takes the same instructions
+inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  auto body = [&](__m256 gv, __m256 uv) {
+    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    return _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(h + i, body(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+  if (i < n) {
+    alignas(32) float gt[8] = {}, ut[8] = {}, ht[8];
+    std::memcpy(gt, g + i, (n - i) * sizeof(float));
+    std::memcpy(ut, u + i, (n - i) * sizeof(float));
+    _mm256_store_ps(ht, body(_mm256_load_ps(gt), _mm256_load_ps(ut)));
+    std::memcpy(h + i, ht, (n - i) * sizeof(float));
+  }
+}
+#else
+inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+#endif
 
 constexpr int64_t kGrain = 1 << 14;  // elements per task of the elementwise kernels
 
@@ -69,10 +118,7 @@ torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u) {
     float* hp = h.data_ptr<float>();
     at::parallel_for(0, N, std::max<int64_t>(1, kGrain / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
-        const float *gr = gp + r * lg, *ur = up + r * lu;
-        float* hr = hp + r * I;
-#pragma omp simd
-        for (int64_t i = 0; i < I; ++i) hr[i] = gr[i] / (1.0f + exp_approx(-gr[i])) * ur[i];
+        silu_mul(gp + r * lg, up + r * lu, hp + r * I, I);
       }
     });
     return h;
@@ -82,10 +128,7 @@ torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u) {
   auto h = torch::empty_like(g);
   const float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
   float* hp = h.data_ptr<float>();
-  at::parallel_for(0, g.numel(), kGrain, [&](int64_t b, int64_t e) {
-#pragma omp simd
-    for (int64_t i = b; i < e; ++i) hp[i] = gp[i] / (1.0f + exp_approx(-gp[i])) * up[i];
-  });
+  at::parallel_for(0, g.numel(), kGrain, [&](int64_t b, int64_t e) { silu_mul(gp + b, up + b, hp + b, e - b); });
   return h;
 }
 

@@ -91,6 +91,18 @@ def test_stale_build_lock_is_removed_not_waited_on():
     assert not os.path.exists(lock)
 
 
+def test_each_checkout_keeps_its_own_build(monkeypatch, tmp_path):
+    """Two checkouts sharing one build directory rebuild it whenever the other loads (other source paths in the
+    ninja file): the build's name depends on where the sources are."""
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(K._SOURCE.parent, csrc)
+    here = K._cpu_tag()
+    monkeypatch.setattr(K, "_SOURCE", csrc / K._SOURCE.name)
+    assert K._cpu_tag() != here
+
+
 @needs_kernels
 def test_bf16_rounding_kernels_equal_torchs_casts():
     """bf16_split / round_bf16_ round to nearest even exactly as torch's casts, specials included (NaN stays NaN;

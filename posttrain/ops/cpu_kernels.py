@@ -8,7 +8,7 @@ order than PyTorch's reduction, so a few outputs move by a bf16 ulp (tests bound
 
 The extension is compiled on first use with torch.utils.cpp_extension (g++ and ninja; ~30 s on the
 2-core CI machine), cached by PyTorch under ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), and
-keyed by this machine's CPU flags since it is built with -march=native. If it cannot be built, the
+keyed by this machine's CPU flags (it is built with -march=native) and by the checkout. If it cannot be built, the
 eager ops run instead (one warning). POSTTRAIN_CPU_KERNELS=0 turns the kernels off. Tensors on any
 other device (CUDA) always take the eager ops, and never build the extension.
 
@@ -36,13 +36,16 @@ _BUILD_PROTOCOL = b"flock-1"  # in the name: builders that take no flock (older 
 
 
 def _cpu_tag() -> str:
-    """This machine's CPU flags and the shared header (torch hashes the sources it compiles, not what they
-    include): a new CPU or a changed header builds afresh."""
+    """This machine's CPU flags, the shared header (torch hashes the sources it compiles, not what they include)
+    and where the sources are: a new CPU or a changed header builds afresh, and two checkouts keep two builds.
+    (One shared build would be rebuilt whenever the other checkout loads it: ninja sees other source paths in the
+    build file. Two checkouts running at once then rebuilt each other's extension, minutes each under load.)"""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes() + _BUILD_PROTOCOL).hexdigest()[:8]
+    where = str(_SOURCE.parent.resolve()).encode()
+    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes() + _BUILD_PROTOCOL + where).hexdigest()[:8]
 
 
 def load():

@@ -53,7 +53,8 @@ def _recipe(hf, max_model_len: int | None) -> arch.Recipe:
 
 class _Norm:
     """An HF RMSNorm module's forward, h = x * rsqrt(mean(x^2) + eps) in float32, then by family kind:
-    "llama" w * cast(h) (fused for bf16 CPU tensors, any leading shape), "gemma" cast(h * (1 + w)),
+    "llama" w * cast(h) (fused for bf16 CPU tensors, any leading shape; float32 through training's kernel where the
+    module runs it, `ops.layers.is_fused`), "gemma" cast(h * (1 + w)),
     "olmo" cast(w * h). Reads the module's live weight (in another compute dtype: its cast, kept by `refresh()`)."""
 
     def __init__(self, mod, kind: str, dtype: torch.dtype | None = None):

@@ -210,12 +210,6 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32 -> x·Wᵀ (+ bias) (+ residual), (M, n) float32, W the (n, K) weight `packed` holds. Each
     output is a float32 FMA chain over k in order, then + bias, then + residual: the same values for any M and
-    thread count. The eager twin: `gemm_ref`."""
+    thread count: F.linear's values up to the summation order."""
     return _module.gemm_packed(x.contiguous(), packed, n, bias, residual)
 
-
-def gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What `gemm_packed` computes, with torch's ops (another summation order)."""
-    out = F.linear(x, w.float(), None if bias is None else bias.float())
-    return out if residual is None else out + residual

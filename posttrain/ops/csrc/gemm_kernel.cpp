@@ -56,7 +56,7 @@ struct Tile {       // one micro-kernel call
   int64_t K;
   float* c;         // output rows, stride ldc, `cols` valid columns
   int64_t ldc, cols;
-  const float* bias;  // NR values (padded) or null
+  const float* bias;  // the panel's `cols` bias values, or null
   const float* res;   // residual rows, stride ldc, or null
   const char* pf;     // lines of the next panel to prefetch, or null
   int64_t pf_lines;
@@ -94,7 +94,7 @@ void micro(const Tile& t) {
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) vstore(row + j * VL, acc[i][j]);
     if (t.bias)
-      for (int c = 0; c < NR; ++c) row[c] += t.bias[c];
+      for (int64_t c = 0; c < t.cols; ++c) row[c] += t.bias[c];
     if (t.res)
       for (int64_t c = 0; c < t.cols; ++c) row[c] += t.res[i * t.ldc + c];
     std::memcpy(t.c + i * t.ldc, row, t.cols * sizeof(float));
@@ -190,11 +190,10 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   auto out = torch::empty({M, N}, x.options());
-  torch::Tensor b_pad, r;
-  if (bias.has_value()) {  // padded to whole panels, so the epilogue adds NR values without a tail case
+  torch::Tensor b, r;
+  if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "gemm_packed: bias of ", bias->numel(), " values for ", N, " outputs");
-    b_pad = torch::zeros({P * NR}, x.options());
-    b_pad.narrow(0, 0, N).copy_(bias->reshape({N}));
+    b = bias->to(torch::kFloat32).contiguous();
   }
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == out.sizes(), "gemm_packed: residual must be (M, N)");
@@ -203,7 +202,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   if (M == 0 || N == 0) return out;
   const float* A = x.data_ptr<float>();
   const float* B = packed.data_ptr<float>();
-  const float* bp = b_pad.defined() ? b_pad.data_ptr<float>() : nullptr;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
   float* C = out.data_ptr<float>();
   const int64_t panel = K * NR, lines = panel * int64_t(sizeof(float)) / 64;

@@ -29,8 +29,13 @@ quickstart: $(STAMP)
 	$(BIN)/posttrain models fetch smollm2-135m-instruct
 	$(BIN)/posttrain quickstart
 
+# A test that hangs fails after PYTEST_TIMEOUT seconds with every thread's stack printed (pytest-timeout's thread
+# method), instead of stalling the run: no test of these suites takes a tenth of it on 2 cores.
+PYTEST_TIMEOUT ?= 900
+TIMEOUT := --timeout=$(PYTEST_TIMEOUT) --timeout-method=thread
+
 test: $(STAMP) bwrap
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(TIMEOUT)
 
 # ruff with pyproject's rules: pyflakes, pycodestyle, bugbear, import order, unused noqa, complexity
 lint: $(STAMP)
@@ -39,7 +44,7 @@ lint: $(STAMP)
 # distributed tests: FSDP2 with 2 gloo processes, a local Ray cluster (installs the [ray] extra)
 test-dist: $(STAMP) bwrap
 	$(BIN)/pip install -q -e '.[ray]'
-	$(BIN)/python -m pytest -m dist
+	$(BIN)/python -m pytest -m dist $(TIMEOUT)
 
 test-slow: $(STAMP) bwrap
 	$(BIN)/python -m pytest -m slow
@@ -63,7 +68,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm
+	$(VLLM_VENV)/bin/python -m pytest -m vllm $(TIMEOUT)
 
 bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'

@@ -51,6 +51,11 @@ class VLLMEngineDead(RuntimeError):
 
 
 def _vllm():
+    # vLLM forks its engine process by default. The trainer's process is threaded (OpenMP pools, the async producer,
+    # gloo's threads) and may hold an earlier in-process engine's torch.distributed group: a forked child can inherit
+    # a held lock or that group and hang before its handshake, which vLLM waits on without a timeout. A spawned child
+    # starts clean (~2 s more on 2 cores); a user's VLLM_WORKER_MULTIPROC_METHOD wins.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         import vllm
     except ImportError as e:

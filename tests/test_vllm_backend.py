@@ -114,6 +114,18 @@ def test_behaviour_logprobs_and_kept_sets_equal_trainer_recomputation(setup, par
     assert tokens > 100 and worst < 1e-4, worst
 
 
+def test_seeded_requests_over_several_prefill_chunks_do_not_kill_the_engine(setup):
+    """Every RL request is seeded. vLLM 0.32's CPU worker died ('CPU Generator does not use offset') on a seeded request
+    whose prompt chunked prefill split across steps; the backend turns chunked prefill off on the CPU. 96 prompts of
+    100 tokens (9600 > one step's 2048-token budget): every sample comes back, the same for the same seeds."""
+    _, vb = setup
+    reqs = [Request([(7 * i + j) % 1000 + 5 for j in range(100)], SamplingParams(n=2, temperature=1.0, max_new_tokens=8,
+                                                                                  ignore_eos=True, seed=i)) for i in range(96)]
+    first, again = vb.generate(reqs), vb.generate(reqs[:3])
+    assert all(o.ok and len(o.samples) == 2 and all(len(c.token_ids) == 8 for c in o.samples) for o in first)
+    assert [[c.token_ids for c in o.samples] for o in again] == [[c.token_ids for c in o.samples] for o in first[:3]]
+
+
 def test_after_an_optimizer_step_vllm_samples_the_new_weights(setup, folder):
     model, vb = setup
     greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -149,9 +161,12 @@ def test_rl_run_with_backend_vllm_keeps_trainer_and_sampler_consistent(tmp_path,
     assert all(r["consistency/dlogp_mean"] < 1e-5 for r in rows)
 
 
-def test_a_killed_vllm_engine_is_reported(folder):
-    """vLLM's default: the engine in its own process. Killing it mid-run makes the next call raise VLLMEngineDead
-    naming the process and its exit code, not a hang or a bare ZMQ error."""
+@pytest.mark.timeout(300)  # the failure this guards against is a hang
+@pytest.mark.parametrize("call,wait", [("generate", True), ("generate", False), ("update_weights", False)])
+def test_a_killed_vllm_engine_is_reported(folder, call, wait):
+    """vLLM's default: the engine in its own process. Killing it makes the next call raise VLLMEngineDead naming the
+    process and its exit code, not a hang or a bare ZMQ error, whether the call comes after the death is seen
+    (wait: the process joined) or races it (vLLM's client then took the request and, unwoken, waited forever)."""
     import vllm.envs
 
     vllm.envs.disable_envs_cache()  # an engine built earlier in this process froze VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -160,12 +175,17 @@ def test_a_killed_vllm_engine_is_reported(folder):
         vb = VLLMBackend(folder, dtype="float32", max_model_len=128)  # enforce_eager from POSTTRAIN_VLLM_ARGS
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    what = {"generate": "generating", "update_weights": "loading weights"}[call]
     try:
         assert vb.generate([Request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))])[0].ok
         (proc,) = vb.llm.llm_engine.engine_core.resources.engine_manager.processes
         os.kill(proc.pid, 9)
-        proc.join(30)
-        with pytest.raises(VLLMEngineDead, match=rf"engine process died while generating.*pid {proc.pid} exited with code -9"):
-            vb.generate([Request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))])
+        if wait:
+            proc.join(30)
+        with pytest.raises(VLLMEngineDead, match=rf"engine process died while {what}.*pid {proc.pid} exited with code -9"):
+            if call == "generate":
+                vb.generate([Request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))])
+            else:
+                vb.update_weights({})
     finally:
         vb.close()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,11 +52,6 @@ class VLLMEngineDead(RuntimeError):
 
 
 def _vllm():
-    # vLLM forks its engine process by default. The trainer's process is threaded (OpenMP pools, the async producer,
-    # gloo's threads) and may hold an earlier in-process engine's torch.distributed group: a forked child can inherit
-    # a held lock or that group and hang before its handshake, which vLLM waits on without a timeout. A spawned child
-    # starts clean (~2 s more on 2 cores); a user's VLLM_WORKER_MULTIPROC_METHOD wins.
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     try:
         import vllm
     except ImportError as e:
@@ -78,6 +74,12 @@ class VLLMBackend:
             raise UserError(f"backend=vllm colocate=True needs vLLM's sleep mode, which {self.device} does not have "
                             "(CUDA only); leave colocate off")
         extra = {"gpu_memory_utilization": gpu_memory_utilization} if self.device == "cuda" else {}
+        if self.device == "cpu":
+            # vLLM 0.32's CPU worker dies on a seeded request whose prompt is split by chunked prefill (it rewinds
+            # the request's generator, "CPU Generator does not use offset"); every RL request is seeded, and a
+            # step's prompts exceed one chunk's token budget at modest sizes (measured: 160 x 55 tokens). Whole
+            # prompts per step instead, as vLLM itself configures the CPU for MLA models.
+            extra["enable_chunked_prefill"] = False
         extra.update(_env_args(), **llm_kwargs)
         if self.device == "cpu" and kv_cache_mb and "kv_cache_memory_bytes" not in extra \
                 and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -94,6 +96,10 @@ class VLLMBackend:
         self.default_eos = _default_eos(model_path, self.tokenizer)
         self.source = source
         self.generated_tokens, self.seconds, self.weight_loads, self.weight_load_s = 0, 0.0, 0, 0.0
+        self._closing = threading.Event()
+        if procs := _engine_procs(self.llm):
+            threading.Thread(target=_wake_on_death, args=(self.llm.llm_engine.engine_core, procs, self._closing),
+                             name="posttrain-vllm-watch", daemon=True).start()
 
     # ------------------------------------------------------------ weights
     def sync_weights(self) -> None:
@@ -212,8 +218,9 @@ class VLLMBackend:
                                   "process, a kernel crash); this backend cannot continue: rerun (training runs resume "
                                   "from their last checkpoint)")
 
-        # checked first: vLLM's client, asked to generate after its engine died between calls, can wait forever
-        if any(p.exitcode is not None for p in _engine_procs(self.llm)):
+        # checked first: a dead engine's client may still take the request (see _wake_on_death)
+        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
+        if getattr(resources, "engine_dead", False) or any(not p.is_alive() for p in _engine_procs(self.llm)):
             raise dead()
         try:
             return fn()
@@ -222,6 +229,7 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Stop vLLM's engine process."""
+        self._closing.set()
         shutdown = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if shutdown is not None:
             shutdown.shutdown()
@@ -269,6 +277,31 @@ def _engine_procs(llm) -> list:
         return list(llm.llm_engine.engine_core.resources.engine_manager.processes)
     except AttributeError:
         return []
+
+
+def _wake_on_death(client, procs: list, closing: threading.Event) -> None:
+    """Watch vLLM's EngineCore processes; when one ends (not by close()), fail whatever waits on the client.
+
+    vLLM 0.32's own monitor, on an engine's death, marks the client dead and stops its output thread, but wakes no
+    caller: a generate whose request went in just before (its output never comes) or a collective_rpc in flight (its
+    future never resolves) waits forever; measured: kill the EngineCore, generate at once -> a hang. Here such callers
+    get EngineDeadError (VLLMBackend._call reports VLLMEngineDead). `is_alive` reaps, so the exit code is known, and
+    notices the death even where a grandchild keeps the process's sentinel pipe open (then after <= 1 s)."""
+    from multiprocessing.connection import wait
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    while all(p.is_alive() for p in procs):
+        wait([p.sentinel for p in procs], timeout=1.0)
+    if closing.is_set():
+        return
+    if (resources := getattr(client, "resources", None)) is not None:
+        resources.engine_dead = True  # later calls fail at once in vLLM's ensure_alive
+    if (queue := getattr(client, "outputs_queue", None)) is not None:
+        queue.put_nowait(EngineDeadError())  # a get_output waiting now, or the next one
+    for future in list(getattr(client, "utility_results", {}).values()):
+        if not future.done():
+            future.set_exception(EngineDeadError())
 
 
 def _engine_exit(llm) -> str:

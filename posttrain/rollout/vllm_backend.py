@@ -39,6 +39,7 @@ import os
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from posttrain.errors import UserError
@@ -98,7 +99,7 @@ class VLLMBackend:
         self.generated_tokens, self.seconds, self.weight_loads, self.weight_load_s = 0, 0.0, 0, 0.0
         self._closing = threading.Event()
         if procs := _engine_procs(self.llm):
-            threading.Thread(target=_wake_on_death, args=(self.llm.llm_engine.engine_core, procs, self._closing),
+            threading.Thread(target=_wake_on_death, args=(weakref.ref(self.llm.llm_engine.engine_core), procs, self._closing),
                              name="posttrain-vllm-watch", daemon=True).start()
 
     # ------------------------------------------------------------ weights
@@ -279,7 +280,7 @@ def _engine_procs(llm) -> list:
         return []
 
 
-def _wake_on_death(client, procs: list, closing: threading.Event) -> None:
+def _wake_on_death(client_ref, procs: list, closing: threading.Event) -> None:
     """Watch vLLM's EngineCore processes; when one ends (not by close()), fail whatever waits on the client.
 
     vLLM 0.32's own monitor, on an engine's death, marks the client dead and stops its output thread, but wakes no
@@ -293,7 +294,8 @@ def _wake_on_death(client, procs: list, closing: threading.Event) -> None:
 
     while all(p.is_alive() for p in procs):
         wait([p.sentinel for p in procs], timeout=1.0)
-    if closing.is_set():
+    client = client_ref()  # weak: a backend dropped without close() still lets vLLM's finalizer stop its engine
+    if closing.is_set() or client is None:
         return
     if (resources := getattr(client, "resources", None)) is not None:
         resources.engine_dead = True  # later calls fail at once in vLLM's ensure_alive

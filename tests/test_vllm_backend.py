@@ -117,7 +117,8 @@ def test_behaviour_logprobs_and_kept_sets_equal_trainer_recomputation(setup, par
 def test_seeded_requests_over_several_prefill_chunks_do_not_kill_the_engine(setup):
     """Every RL request is seeded. vLLM 0.32's CPU worker died ('CPU Generator does not use offset') on a seeded request
     whose prompt chunked prefill split across steps; the backend turns chunked prefill off on the CPU. 96 prompts of
-    100 tokens (9600 > one step's 2048-token budget): every sample comes back, the same for the same seeds."""
+    100 tokens (9600, more than one step's token budget; crashed the old code): every sample comes back, the same for the
+    same seeds."""
     _, vb = setup
     reqs = [Request([(7 * i + j) % 1000 + 5 for j in range(100)], SamplingParams(n=2, temperature=1.0, max_new_tokens=8,
                                                                                   ignore_eos=True, seed=i)) for i in range(96)]

@@ -219,9 +219,7 @@ class VLLMBackend:
                                   "process, a kernel crash); this backend cannot continue: rerun (training runs resume "
                                   "from their last checkpoint)")
 
-        # checked first: a dead engine's client may still take the request (see _wake_on_death)
-        resources = getattr(getattr(self.llm.llm_engine, "engine_core", None), "resources", None)
-        if getattr(resources, "engine_dead", False) or any(not p.is_alive() for p in _engine_procs(self.llm)):
+        if _engine_dead(self.llm):  # checked first: a dead engine's client may still take the request
             raise dead()
         try:
             return fn()
@@ -278,6 +276,12 @@ def _engine_procs(llm) -> list:
         return list(llm.llm_engine.engine_core.resources.engine_manager.processes)
     except AttributeError:
         return []
+
+
+def _engine_dead(llm) -> bool:
+    """vLLM marked its client dead, or an EngineCore process has ended (is_alive reaps it: its exit code is known)."""
+    resources = getattr(getattr(llm.llm_engine, "engine_core", None), "resources", None)
+    return getattr(resources, "engine_dead", False) or any(not p.is_alive() for p in _engine_procs(llm))
 
 
 def _wake_on_death(client_ref, procs: list, closing: threading.Event) -> None:

@@ -69,6 +69,71 @@ def test_every_row_is_the_same_whatever_the_batch_and_threads():
         assert torch.equal(K.gemm_packed(x[rows], packed, 70, b), full[rows])
 
 
+needs_bf16_kernel = pytest.mark.skipif(
+    os.environ.get("POSTTRAIN_CPU_KERNELS") == "0" or K.load() is None or not K._module.gemm_bf16_kernel_available(),
+    reason="the bf16 packed GEMM needs the CPU kernels on x86-64 with AVX-512 BF16")
+BF16_EPS = 2.0**-8  # bf16 unit roundoff (8 significant bits, round to nearest)
+
+
+def _bf16_case(M, N, Kd, bias, residual, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(M, Kd, generator=g).bfloat16(), torch.randn(N, Kd, generator=g).bfloat16()
+    b = torch.randn(N, generator=g) if bias else None  # the engine's bias: float32
+    r = torch.randn(M, N, generator=g).bfloat16() if residual else None
+    return x, w, b, r
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("M,N,Kd", [(1, 5, 8), (7, 33, 64), (12, 16, 2), (13, 100, 576), (64, 960, 576),
+                                    (31, 576, 1536), (400, 40, 20)])
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+def test_bf16_packed_gemm_is_the_matmul(M, N, Kd, bias, residual):
+    """bf16 x and panels (vdpbf16ps): products of bf16 values are exact in float32, so before the final rounding
+    the float32 bound holds (≤ K + 2 rounded additions); the bf16 output adds one rounding of the result."""
+    x, w, b, r = _bf16_case(M, N, Kd, bias, residual, M * 1000 + N + Kd)
+    y = K.gemm_packed(x, K.gemm_pack_bf16(w), N, b, r)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    exact, f32 = _exact(x, w, b, r), _bound(x, w, b, r)
+    err = (y.double() - exact).abs()
+    assert (err <= f32 + BF16_EPS * (exact.abs() + f32)).all(), err.max()
+
+
+@needs_bf16_kernel
+def test_bf16_rows_are_the_same_whatever_the_batch_and_threads():
+    x, w, b, r = _bf16_case(50, 70, 96, True, True, 2)
+    packed = K.gemm_pack_bf16(w)
+    full = K.gemm_packed(x, packed, 70, b, r)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = K.gemm_packed(x, packed, 70, b, r)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(full, one_thread)
+    for rows in (slice(0, 1), slice(7, 8), slice(5, 19), slice(49, 50)):
+        assert torch.equal(K.gemm_packed(x[rows], packed, 70, b, r[rows]), full[rows])
+
+
+@needs_bf16_kernel
+def test_bf16_panels_hold_the_weight_in_pairs_and_repack_in_place():
+    w = torch.randn(40, 24).bfloat16()
+    packed = K.gemm_pack_bf16(w)
+    nr = K._module.gemm_panel_width()
+    assert packed.dtype == torch.bfloat16 and packed.shape == (-(-40 // nr), 12, nr, 2)
+    # panel p, pair j, column c, t  ==  W[p·NR + c][2j + t] (zero past N)
+    padded = torch.cat([w, w.new_zeros(packed.shape[0] * nr - 40, 24)])
+    expect = padded.view(packed.shape[0], nr, 12, 2).permute(0, 2, 1, 3)
+    assert torch.equal(packed, expect)
+    w2 = torch.randn(40, 24).bfloat16()
+    again = K.gemm_pack_bf16(w2, packed)
+    assert again.data_ptr() == packed.data_ptr() and torch.equal(again, K.gemm_pack_bf16(w2))
+    assert not K.gemm_bf16_runs(torch.randn(40, 23).bfloat16()) and not K.gemm_bf16_runs(w.float())
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        K.gemm_pack_bf16(torch.randn(40, 23).bfloat16())
+    with pytest.raises(RuntimeError, match="panels' dtype"):
+        K.gemm_packed(torch.randn(3, 24), packed, 40)
+
+
 @needs_kernel
 def test_bf16_weights_pack_as_their_float32_values():
     w = torch.randn(40, 24).bfloat16()
@@ -120,18 +185,55 @@ def test_engine_linear_runs_on_the_packed_gemm(monkeypatch, dtype):
     assert not torch.equal(lin(x, residual=r), expect)
 
 
+@needs_bf16_kernel
+def test_engine_bf16_linear_runs_on_the_bf16_panels(monkeypatch):
+    monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", True)
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
+    torch.manual_seed(0)
+    a, c = torch.nn.Linear(64, 48), torch.nn.Linear(64, 20, bias=False)
+    lin = runner._Linear([a, c], pack=True, batch_hint=8, dtype=torch.bfloat16)
+    lin.refresh()
+    assert lin.kind == "gemm" and lin.w.dtype == torch.bfloat16
+    w = torch.cat([a.weight, c.weight]).detach().bfloat16()
+    b = torch.cat([a.bias.detach(), torch.zeros(20)]).bfloat16().float()
+    x, r = torch.randn(9, 64).bfloat16(), torch.randn(9, 68).bfloat16()
+    expect = K.gemm_packed(x, K.gemm_pack_bf16(w), 68, b, r)
+    assert torch.equal(lin(x, residual=r), expect)
+    first = lin.w.data_ptr()
+    with torch.no_grad():  # a weight change reaches the packed copy at the next refresh, re-packed in place
+        a.weight.mul_(2)
+    lin.refresh()
+    assert lin.w.data_ptr() == first and not torch.equal(lin(x, residual=r), expect)
+
+
 def test_engine_linear_keeps_onednn_where_the_rule_says(monkeypatch):
     monkeypatch.setattr(runner, "ENGINE_GEMM", False)
-    lin = runner._Linear([torch.nn.Linear(16, 8)], pack=True, batch_hint=4)
-    lin.refresh()
-    assert lin.kind in ("onednn", "wt")
+    monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", False)
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
+    for dtype in (torch.float32, torch.bfloat16):
+        lin = runner._Linear([torch.nn.Linear(16, 8)], pack=True, batch_hint=4, dtype=dtype)
+        lin.refresh()
+        assert lin.kind in ("onednn", "wt")
 
 
-@pytest.mark.parametrize("x86,avx512,expected", [(True, False, True), (True, True, False), (False, False, False)])
-def test_the_engine_gemm_rule(monkeypatch, x86, avx512, expected):
+@pytest.mark.parametrize("x86,avx512,intel,expected",
+                         [(True, False, True, True), (True, False, False, True), (True, True, False, True),
+                          (True, True, True, False), (False, False, False, False)])
+def test_the_engine_gemm_rule(monkeypatch, x86, avx512, intel, expected):
     monkeypatch.setattr(L, "_x86", lambda: x86)
     monkeypatch.setattr(L, "_cpu_flag", lambda flag: avx512 and flag == "avx512f")
+    monkeypatch.setattr(L, "_intel", lambda: intel)
     assert L._prefer_engine_gemm("auto") == expected
     assert L._prefer_engine_gemm("posttrain") and not L._prefer_engine_gemm("onednn")
     with pytest.raises(ValueError, match="POSTTRAIN_ENGINE_GEMM"):
         L._prefer_engine_gemm("mkl")
+
+
+@pytest.mark.parametrize("x86,amx,expected", [(True, False, True), (True, True, False), (False, False, False)])
+def test_the_engine_bf16_gemm_rule(monkeypatch, x86, amx, expected):
+    monkeypatch.setattr(L, "_x86", lambda: x86)
+    monkeypatch.setattr(L, "_amx_usable", lambda: amx)
+    assert L._prefer_engine_gemm_bf16("auto") == expected
+    assert L._prefer_engine_gemm_bf16("posttrain") and not L._prefer_engine_gemm_bf16("onednn")
+    with pytest.raises(ValueError, match="POSTTRAIN_ENGINE_GEMM"):
+        L._prefer_engine_gemm_bf16("mkl")

@@ -206,10 +206,25 @@ def gemm_pack(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor
     return _module.gemm_pack(w.detach(), into)
 
 
+def gemm_bf16_runs(w: torch.Tensor) -> bool:
+    """Whether `gemm_pack_bf16` and a bf16 `gemm_packed` run for the weight `w`: a 2-d bf16 CPU tensor with an
+    even number of columns, and the kernel built with AVX-512 BF16 (vdpbf16ps)."""
+    return (w.dim() == 2 and w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0
+            and load() is not None and _module.gemm_bf16_kernel_available())
+
+
+def gemm_pack_bf16(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """w (N, K) bf16 -> bf16 panels of k pairs (⌈N/NR⌉, K/2, NR, 2) for `gemm_packed` with bf16 x (NR = 32), written
+    into `into` when it fits (as `gemm_pack`). Only where `gemm_bf16_runs(w)`."""
+    return _module.gemm_pack_bf16(w.detach(), into)
+
+
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) float32 -> x·Wᵀ (+ bias) (+ residual), (M, n) float32, W the (n, K) weight `packed` holds. Each
-    output is a float32 FMA chain over k in order, then + bias, then + residual: the same values for any M and
-    thread count: F.linear's values up to the summation order."""
+    """x (M, K) -> x·Wᵀ (+ bias) (+ residual), (M, n), W the (n, K) weight `packed` holds. float32 (`gemm_pack`):
+    each output is a float32 FMA chain over k in order, then + bias, then + residual. bf16 (`gemm_pack_bf16`, x
+    and residual bf16): a float32 sum over the k pairs in order (vdpbf16ps adds a pair's two exact products to
+    the lane), + bias and + residual in float32, rounded once to bf16. Either way the same values for any M and
+    thread count, F.linear's values up to the summation order."""
     return _module.gemm_packed(x.contiguous(), packed, n, bias, residual)
 

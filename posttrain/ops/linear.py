@@ -85,7 +85,7 @@ def _cpuinfo(key: str) -> str:
 
 def _mkl_on_intel() -> bool:
     """MKL is torch's BLAS and the CPU is Intel's (its fast paths apply)."""
-    return "GenuineIntel" in _cpuinfo("vendor_id") and torch.backends.mkl.is_available()
+    return _intel() and torch.backends.mkl.is_available()
 
 
 def _mkl_fast() -> bool:
@@ -137,15 +137,34 @@ def _prefer_fp32_for_bf16(choice: str) -> bool:
     return choice == "fp32" or (choice == "auto" and (not NATIVE_BF16 or (_mkl_on_intel() and not _amx_usable())))
 
 
-def _prefer_engine_gemm(choice: str) -> bool:
-    """Decode-shaped fp32 GEMMs (1 to a few hundred rows against a packed weight) on posttrain's kernel: `auto` where
-    it was measured faster, an x86 CPU without AVX-512 (AMD EPYC Zen 3, 2 threads, SmolLM2-135M's linears in
-    decode order: 8 rows 97-104 GFLOP/s vs oneDNN's 49-58, 32 rows 153-164 vs 105-107, 64 rows 175-180 vs 123-128,
-    512 rows 156-164 vs 132-144); oneDNN elsewhere until measured there. The kernel itself runs on any x86-64
-    with AVX2 and FMA (`cpu_kernels.gemm_runs`)."""
+def _engine_gemm_choice(choice: str) -> str:
     if choice not in ("auto", "posttrain", "onednn"):
         raise ValueError(f"POSTTRAIN_ENGINE_GEMM must be auto, posttrain or onednn, not {choice!r}")
-    return choice == "posttrain" or (choice == "auto" and _x86() and not _cpu_flag("avx512f"))
+    return choice
+
+
+def _prefer_engine_gemm(choice: str) -> bool:
+    """Decode-shaped fp32 GEMMs (1 to a few hundred rows against a packed weight) on posttrain's kernel: `auto` where
+    it was measured faster than oneDNN's packed linear (2 threads, SmolLM2-135M's linears in decode order): x86
+    without AVX-512 (AMD EPYC Zen 3: 8 rows 97-104 GFLOP/s vs 49-58, 32 rows 153-164 vs 105-107, 64 rows 175-180 vs
+    123-128, 512 rows 156-164 vs 132-144) and AMD with AVX-512 (Zen 4: 8 rows 95 vs 90, 32 rows 196 vs 171, 64 rows
+    208 vs 195, 512 rows 211 vs 206); oneDNN on Intel's AVX-512 CPUs until measured there. The kernel itself runs
+    on any x86-64 with AVX2 and FMA (`cpu_kernels.gemm_runs`)."""
+    choice = _engine_gemm_choice(choice)
+    return choice == "posttrain" or (choice == "auto" and _x86() and not (_cpu_flag("avx512f") and _intel()))
+
+
+def _prefer_engine_gemm_bf16(choice: str) -> bool:
+    """The same for the engine's bf16 linears: posttrain's vdpbf16ps kernel (built where the CPU has AVX-512 BF16,
+    `cpu_kernels.gemm_bf16_runs`) instead of oneDNN's packed bf16 linear, unless oneDNN has AMX tiles (8-16x the
+    dot-product rate). Measured on AMD EPYC Zen 4 (2 threads, decode order): 8 rows 175 vs 152 GFLOP/s, 32 rows
+    366 vs 302, 64 rows 410 vs 330, 512 rows 410 vs 375; a re-pack after a weight change 28 ms vs a 255 ms reorder."""
+    choice = _engine_gemm_choice(choice)
+    return choice == "posttrain" or (choice == "auto" and _x86() and not _amx_usable())
+
+
+def _intel() -> bool:
+    return "GenuineIntel" in _cpuinfo("vendor_id")
 
 
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
@@ -156,6 +175,7 @@ MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 m
 # the rollout engine's float32 linears (rollout.runner._Linear) on posttrain's packed GEMM (csrc/gemm_kernel.cpp)
 # instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
 ENGINE_GEMM = _prefer_engine_gemm(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))
+ENGINE_GEMM_BF16 = _prefer_engine_gemm_bf16(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))  # its bf16 linears too
 # the rollout engine's packed bf16 weights kept widened to fp32 (rollout.runner._Linear): only where bf16 matmuls
 # convert in software (at decode shapes, 64 rows, 2-3x slower than fp32 there); `native` turns it off
 WIDEN_PACKED_BF16 = BF16_VIA_FP32 and not NATIVE_BF16

@@ -128,11 +128,13 @@ torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift);
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
 bool group_attention_available();
-// the engine's float32 linears against packed weights (gemm_kernel.cpp)
+// the engine's linears against packed weights, float32 or bf16 (gemm_kernel.cpp)
 torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual);
+torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into);
 bool gemm_kernel_available();
+bool gemm_bf16_kernel_available();
 int64_t gemm_panel_width();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -153,7 +155,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("gemm_pack", &gemm_pack, "weight (N, K) -> float32 panels (P, K, NR) for gemm_packed, into `into` if it fits",
         py::arg("w"), py::arg("into") = py::none());
-  m.def("gemm_packed", &gemm_packed, "x (M, K) float32 @ packed weight^T (+ bias) (+ residual) -> (M, N)");
+  m.def("gemm_packed", &gemm_packed, "x (M, K) @ packed weight^T (+ bias) (+ residual) -> (M, N): float32, or bf16 panels and x");
+  m.def("gemm_pack_bf16", &gemm_pack_bf16, "bf16 weight (N, K), K even -> bf16 panels of pairs (P, K/2, NR, 2) for "
+        "gemm_packed (AVX-512 BF16), into `into` if it fits", py::arg("w"), py::arg("into") = py::none());
+  m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");
   m.def("gemm_kernel_available", &gemm_kernel_available, "whether gemm_packed was built (x86-64 with AVX2 and FMA)");
   m.def("gemm_panel_width", &gemm_panel_width, "output columns per packed panel (16 with AVX2, 32 with AVX-512)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");

@@ -1,4 +1,4 @@
-// The rollout engine's float32 linears at decode shapes: y = x·Wᵀ (+ b) (+ residual) for x (M, K) with M from 1 to a
+// The rollout engine's linears at decode shapes: y = x·Wᵀ (+ b) (+ residual) for x (M, K) with M from 1 to a
 // few hundred rows, against a weight packed once per weight change.
 //
 // Packed layout: W (N, K) as P = ⌈N / NR⌉ panels of NR output columns, each (K, NR) contiguous, zero-padded past N:
@@ -12,9 +12,15 @@
 // in k order from 0: the same for any M, any row block, any thread count (batch-invariant), and within fp32's
 // summation bound of any other order.
 //
-// Measured (AMD EPYC Zen 3, 2 threads, SmolLM2-135M's 121 linears in decode order, weights from memory):
-// 32 rows 153-164 GFLOP/s against oneDNN's packed linear at 105-107, 64 rows 175-180 against 123-128 (the
-// 2048³ peak there: ~186); 8 rows 97-104 against 49-58.
+// bf16 variant (CPUs with AVX-512 BF16): x, W, residual and y in bf16. A panel holds k in pairs, (K/2, NR, 2): one
+// 64-byte vector is 16 columns × (W[n][2j], W[n][2j+1]); x's pair (x[m][2j], x[m][2j+1]) is broadcast as one
+// 32-bit value and vdpbf16ps adds both exact products to each float32 lane: same tiles, half the bytes and steps.
+// Bias and residual are added to the float32 sum, then each output is rounded once to bf16 (nearest even).
+//
+// Measured (2 threads, SmolLM2-135M's 121 linears in decode order, weights from memory), against oneDNN's packed
+// linear: AMD EPYC Zen 3 (float32): 32 rows 153-164 GFLOP/s against 105-107, 64 rows 175-180 against 123-128 (the
+// 2048³ peak there: ~186); 8 rows 97-104 against 49-58. AMD EPYC Zen 4: float32 64 rows 208 against 195; bf16 64
+// rows 410 against 330, 32 rows 366 against 302, 8 rows 175 against 152.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -49,44 +55,78 @@ inline V vzero() { return _mm256_setzero_ps(); }
 constexpr int NV = 2, NR = NV * VL, MR = 6;
 constexpr int64_t MC = 384;  // rows per chunk: 384 × K floats of x stay in L2/L3 while every panel passes
 
-struct Tile {       // one micro-kernel call
-  const float* a;   // x rows (R, K), row stride lda
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr bool BF16_KERNEL = true;  // vdpbf16ps: the bf16 variant below is built
+#else
+constexpr bool BF16_KERNEL = false;
+#endif
+
+// One micro-kernel call. T = float: the float32 kernel (panels of (K, NR) floats, K steps of one k). T = uint16_t
+// (bf16 bits, AVX-512 BF16 only): panels of (K/2, NR) pairs (W[n][2j], W[n][2j+1]), K/2 steps of two k each.
+template <typename T>
+struct Tile {
+  const T* a;       // x rows (R, K), row stride lda
   int64_t lda;
-  const float* b;   // the panel (K, NR)
-  int64_t K;
-  float* c;         // output rows, stride ldc, `cols` valid columns
+  const T* b;       // the panel: (steps, NR) floats, or (steps, NR, 2) bf16
+  int64_t steps;    // k steps: K (float32) or K/2 (bf16 pairs)
+  T* c;             // output rows, stride ldc, `cols` valid columns
   int64_t ldc, cols;
-  const float* bias;  // the panel's `cols` bias values, or null
-  const float* res;   // residual rows, stride ldc, or null
+  const float* bias;  // the panel's `cols` bias values (float32), or null
+  const T* res;       // residual rows, stride ldc, or null
   const char* pf;     // lines of the next panel to prefetch, or null
   int64_t pf_lines;
 };
 
-// R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual, stored (only `cols` columns).
+// acc[i][j] += x[i, step] ⊗ panel[step, j-th vector], i < R: one k (float32: broadcast x, FMA) or two
+// (bf16: broadcast the pair x[2s], x[2s+1] as one 32-bit value; vdpbf16ps adds both products to each lane)
 template <int R>
-void micro(const Tile& t) {
+inline void step(const Tile<float>& t, int64_t k, V (&acc)[R][NV]) {
+  V b[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) b[j] = vload(t.b + k * NR + j * VL);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const V a = vbcast(t.a + i * t.lda + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = vfma(a, b[j], acc[i][j]);
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+template <int R>
+inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
+  __m512bh b[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(t.b + (s * NR + j * VL) * 2);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    int32_t pair;
+    std::memcpy(&pair, t.a + i * t.lda + 2 * s, 4);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], a, b[j]);
+  }
+}
+#endif
+
+// R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
+// `cols` columns; bf16 outputs rounded once, to nearest even).
+template <int R, typename T>
+void micro(const Tile<T>& t) {
   V acc[R][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = vzero();
-  const int64_t every = t.pf_lines > 0 ? std::max<int64_t>(1, t.K / t.pf_lines) : t.K + 1;
+  const int64_t every = t.pf_lines > 0 ? std::max<int64_t>(1, t.steps / t.pf_lines) : t.steps + 1;
   int64_t due = 0, done = 0;
-  for (int64_t k = 0; k < t.K; ++k) {
+  for (int64_t k = 0; k < t.steps; ++k) {
     if (k == due && done < t.pf_lines) {  // the next panel, spread over the k steps (two lines a step when short)
       _mm_prefetch(t.pf + 64 * done++, _MM_HINT_T0);
       if (every == 1 && done < t.pf_lines) _mm_prefetch(t.pf + 64 * done++, _MM_HINT_T0);
       due += every;
     }
-    V b[NV];
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) b[j] = vload(t.b + k * NR + j * VL);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const V a = vbcast(t.a + i * t.lda + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) acc[i][j] = vfma(a, b[j], acc[i][j]);
-    }
+    step<R>(t, k, acc);
   }
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
@@ -96,12 +136,13 @@ void micro(const Tile& t) {
     if (t.bias)
       for (int64_t c = 0; c < t.cols; ++c) row[c] += t.bias[c];
     if (t.res)
-      for (int64_t c = 0; c < t.cols; ++c) row[c] += t.res[i * t.ldc + c];
-    std::memcpy(t.c + i * t.ldc, row, t.cols * sizeof(float));
+      for (int64_t c = 0; c < t.cols; ++c) row[c] += posttrain_bf16::to_f(t.res[i * t.ldc + c]);
+    for (int64_t c = 0; c < t.cols; ++c) posttrain_bf16::put(t.c + i * t.ldc + c, row[c]);
   }
 }
 
-void run_tile(const Tile& t, int64_t rows) {
+template <typename T>
+void run_tile(const Tile<T>& t, int64_t rows) {
   switch (rows) {
     case 6: micro<6>(t); break;
     case 5: micro<5>(t); break;
@@ -109,6 +150,33 @@ void run_tile(const Tile& t, int64_t rows) {
     case 3: micro<3>(t); break;
     case 2: micro<2>(t); break;
     default: micro<1>(t); break;
+  }
+}
+
+// C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
+// per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
+template <typename T>
+void drive(const T* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
+           const float* bp, const T* rp, T* C) {
+  const int64_t lines = panel * int64_t(sizeof(T)) / 64;
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        Tile<T> t{nullptr, K, B + p * panel, steps, nullptr, N, std::min<int64_t>(NR, N - p * NR),
+                  bp ? bp + p * NR : nullptr, nullptr, nullptr, 0};
+        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
+        for (int64_t i = 0; i < tiles; ++i) {
+          const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
+          t.a = A + row * K;
+          t.c = C + row * N + p * NR;
+          t.res = rp ? rp + row * N + p * NR : nullptr;
+          t.pf = next ? next + 64 * first : nullptr;
+          t.pf_lines = next ? last - first : 0;
+          run_tile(t, std::min<int64_t>(MR, m0 + mc - row));
+        }
+      }
+    });
   }
 }
 
@@ -160,18 +228,28 @@ void pack_panels(const T* w, int64_t N, int64_t K, float* out) {
 }  // namespace
 
 bool gemm_kernel_available() { return true; }
+bool gemm_bf16_kernel_available() { return BF16_KERNEL; }
 int64_t gemm_panel_width() { return NR; }
 
-// w (N, K) float32 or bf16 (widened exactly) -> (P, K, NR) float32 panels, written into `into` when it is given
-// and fits (a weight change re-packs in place: no fresh pages to fault in)
+namespace {
+
+// `into` when it is given and is a contiguous CPU tensor of this shape and dtype (a weight change re-packs in
+// place: no fresh pages to fault in), else a new one
+torch::Tensor panels(const torch::Tensor& w, const std::vector<int64_t>& shape, torch::ScalarType dtype,
+                     const c10::optional<torch::Tensor>& into) {
+  const bool reuse = into.has_value() && into->sizes() == c10::IntArrayRef(shape) && into->is_contiguous() &&
+                     into->scalar_type() == dtype && into->device().is_cpu();
+  return reuse ? *into : torch::empty(shape, w.options().dtype(dtype));
+}
+
+}  // namespace
+
+// w (N, K) float32 or bf16 (widened exactly) -> (P, K, NR) float32 panels, into `into` when it fits
 torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "gemm_pack: a 2-d CPU weight");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
-  const std::vector<int64_t> shape{(N + NR - 1) / NR, K, NR};
-  const bool reuse = into.has_value() && into->sizes() == c10::IntArrayRef(shape) && into->is_contiguous() &&
-                     into->scalar_type() == torch::kFloat32 && into->device().is_cpu();
-  auto out = reuse ? *into : torch::empty(shape, w.options().dtype(torch::kFloat32));
+  auto out = panels(w, {(N + NR - 1) / NR, K, NR}, torch::kFloat32, into);
   if (w.scalar_type() == torch::kFloat32) {
     pack_panels(w.data_ptr<float>(), N, K, out.data_ptr<float>());
   } else {
@@ -181,11 +259,31 @@ torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into) {
   return out;
 }
 
-// x (M, K) float32, packed from gemm_pack of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N)
+// w (N, K) bf16, K even -> (P, K/2, NR, 2) bf16 panels of pairs (W[n][2j], W[n][2j+1]) for vdpbf16ps, into `into`
+// when it fits. A pair is 32 bits: the float32 packing's 32-bit transposes move them unchanged (no arithmetic).
+torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into) {
+  TORCH_CHECK(BF16_KERNEL, "gemm_pack_bf16 needs a CPU with AVX-512 BF16");
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(1) % 2 == 0,
+              "gemm_pack_bf16: a 2-d bf16 CPU weight with an even number of columns");
+  w = w.contiguous();
+  const int64_t N = w.size(0), K2 = w.size(1) / 2;
+  auto out = panels(w, {(N + NR - 1) / NR, K2, NR, 2}, torch::kBFloat16, into);
+  pack_panels(reinterpret_cast<const float*>(w.data_ptr()), N, K2, reinterpret_cast<float*>(out.data_ptr()));
+  return out;
+}
+
+// x (M, K), packed from gemm_pack (x float32) or gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None,
+// residual (M, N) or None -> (M, N) in x's dtype
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "gemm_packed: x (M, K) float32 CPU");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == NR && packed.size(1) == x.size(1) && packed.size(0) * NR >= N &&
+  const bool bf = packed.scalar_type() == torch::kBFloat16;
+  const auto dtype = bf ? torch::kBFloat16 : torch::kFloat32;
+  TORCH_CHECK(!bf || BF16_KERNEL, "gemm_packed: bf16 panels need a CPU with AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.device().is_cpu(),
+              "gemm_packed: x (M, K) on the CPU in the panels' dtype (float32, or bf16 for gemm_pack_bf16)");
+  const int64_t steps = bf ? x.size(1) / 2 : x.size(1);
+  TORCH_CHECK(packed.dim() == (bf ? 4 : 3) && packed.size(2) == NR && packed.size(1) == steps &&
+              (!bf || (x.size(1) % 2 == 0 && packed.size(3) == 2)) && packed.size(0) * NR >= N &&
               (packed.size(0) - 1) * NR < N && packed.is_contiguous(), "gemm_packed: packed weight does not match x or N");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
@@ -197,33 +295,19 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   }
   if (residual.has_value()) {
     TORCH_CHECK(residual->sizes() == out.sizes(), "gemm_packed: residual must be (M, N)");
-    r = residual->to(torch::kFloat32).contiguous();
+    r = residual->to(dtype).contiguous();
   }
   if (M == 0 || N == 0) return out;
-  const float* A = x.data_ptr<float>();
-  const float* B = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* rp = r.defined() ? r.data_ptr<float>() : nullptr;
-  float* C = out.data_ptr<float>();
-  const int64_t panel = K * NR, lines = panel * int64_t(sizeof(float)) / 64;
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        Tile t{nullptr, K, B + p * panel, K, nullptr, N, std::min<int64_t>(NR, N - p * NR),
-               bp ? bp + p * NR : nullptr, nullptr, nullptr, 0};
-        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
-          t.a = A + row * K;
-          t.c = C + row * N + p * NR;
-          t.res = rp ? rp + row * N + p * NR : nullptr;
-          t.pf = next ? next + 64 * first : nullptr;
-          t.pf_lines = next ? last - first : 0;
-          run_tile(t, std::min<int64_t>(MR, m0 + mc - row));
-        }
-      }
-    });
+  const int64_t panel = steps * NR * (bf ? 2 : 1);  // elements per panel
+  if (bf) {
+    using H = uint16_t;
+    drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, reinterpret_cast<const H*>(packed.data_ptr()), P, steps,
+          panel, N, bp, r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr,
+          reinterpret_cast<H*>(out.data_ptr()));
+  } else {
+    drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
+          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>());
   }
   return out;
 }
@@ -231,7 +315,11 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
 #else  // no AVX2/FMA: the engine keeps oneDNN's packed linear
 
 bool gemm_kernel_available() { return false; }
+bool gemm_bf16_kernel_available() { return false; }
 int64_t gemm_panel_width() { return 0; }
+torch::Tensor gemm_pack_bf16(torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "gemm_pack_bf16 needs an x86-64 CPU with AVX-512 BF16");
+}
 torch::Tensor gemm_pack(torch::Tensor, c10::optional<torch::Tensor>) { TORCH_CHECK(false, "gemm_pack needs an x86-64 CPU with AVX2 and FMA"); }
 torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gemm_packed needs an x86-64 CPU with AVX2 and FMA");

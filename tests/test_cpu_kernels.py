@@ -1,6 +1,6 @@
 """Fused bf16 CPU kernels vs the eager ops they replace (and the eager ops == HF's modules).
 
-RoPE is bit-identical. RMSNorm sums the squares in another order than PyTorch's reduction, so its
+RoPE and SiLU·mul are bit-identical. RMSNorm sums the squares in another order than PyTorch's reduction, so its
 rsqrt can differ by one float ulp and a few outputs by a bf16 ulp or two; it must stay that close, and no
 less accurate than the eager op against a float64 reference."""
 
@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from posttrain.ops import cpu_kernels as K
@@ -61,6 +62,19 @@ def test_rope_kernel_equals_eager_and_hf(rows, dtype):
     got = K.rope(x, cos, sin_signed)
     assert got.dtype == dtype and torch.equal(got, ref)
     assert torch.equal(K._module.rope(x, cos, sin_signed), ref)  # the kernel itself, not a fallback
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,I", [(64, 1536), (5, 100), (3, 7), (9, 128)])
+def test_silu_mul_kernel_equals_eager(rows, I):
+    """bf16 silu(g) * u on the halves of a gate|up output (row-strided): bit for bit eager's, the tails past the
+    last whole vector step included (std::exp there, as in torch's loop)."""
+    torch.manual_seed(rows * I)
+    gu = (torch.randn(rows, 2 * I) * 4).bfloat16()
+    gu[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # exp's range ends: silu(±90) = 90 / -0
+    g, u = gu[:, :I], gu[:, I:]
+    assert torch.equal(K.silu_mul(g, u), F.silu(g) * u)
+    assert torch.equal(K.silu_mul(g.float(), u.float()), F.silu(g.float()) * u.float())  # fp32: eager
 
 
 def test_fallback_for_float32_and_odd_layouts():

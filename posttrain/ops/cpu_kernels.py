@@ -128,6 +128,14 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_ref(x, w, eps)
 
 
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """F.silu(g) * u: one pass over bf16 CPU rows (g, u (M, I), each row contiguous: the halves of a gate|up
+    output), with eager's exp and roundings (bit for bit); eager elsewhere."""
+    if g.dim() == 2 and g.shape == u.shape and _usable(g, u):
+        return _module.silu_mul(g, u)
+    return F.silu(g) * u
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """`rope_ref` in one pass for bf16 or float32 CPU tensors of one dtype (the same roundings: bit for bit)."""
     if (x.dim() == 3 and cos.is_contiguous() and sin_signed.is_contiguous() and x.dtype in (torch.bfloat16, torch.float32)

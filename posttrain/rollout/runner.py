@@ -433,9 +433,12 @@ class Runner:
         return self.norm(x)
 
     def _gated(self, i: int, g, u):
-        """act(g) * u; float32 through training's SwiGLU kernel where layer i's MLP module runs it (same exp)."""
+        """act(g) * u; float32 through training's SwiGLU kernel where layer i's MLP module runs it (same exp),
+        bf16 SiLU through one pass with eager's roundings (cpu_kernels.silu_mul)."""
         if self.fused_mlp[i] and (h := layers.swiglu_rows(g, u)) is not None:
             return h
+        if self.act is F.silu:
+            return cpu_kernels.silu_mul(g, u)
         return self.act(g) * u
 
     def _qkv(self, i: int, x, cos, sin):

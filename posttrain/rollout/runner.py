@@ -371,8 +371,8 @@ class Runner:
         p = torch.arange(start, end, device=self.device)
         off = P + (p - P) * self.width + m
         dst = torch.tensor(table, device=self.device)[p // self.block_size] * self.block_size + p % self.block_size
-        self.k_cache[:, dst] = self.k_slot[:, gs, :, off].transpose(1, 2)  # (layers, n, kv, D)
-        self.v_cache[:, dst] = self.v_slot[:, gs, :, off].transpose(1, 2)
+        for cache, region in ((self.k_cache, self.k_slot), (self.v_cache, self.v_slot)):  # index_select/index_copy_:
+            cache.index_copy_(1, dst, region[:, gs].index_select(2, off).transpose(1, 2))  # 2x advanced indexing
 
     def refresh_weights(self) -> None:
         """Rebuild the packed weight copies (LoRA layers merged) and cast norm weights from the model's current weights."""

@@ -157,15 +157,15 @@ class _Linear:
         # no bf16 dot-product instructions (x86 AVX2): the bf16 values kept widened to fp32 and multiplied by fp32
         # GEMMs, each result rounded to bf16 once (products of bf16 numbers are exact in fp32: the same matmul)
         self.widen = w.dtype == torch.bfloat16 and is_cpu(w) and WIDEN_PACKED_BF16
-        if self.widen:
+        pairs = w.dtype == torch.bfloat16 and not self.widen and ENGINE_GEMM_BF16 and cpu_kernels.gemm_bf16_runs(w)
+        if self.widen or pairs:  # the bias is added to float32 sums (before the one bf16 rounding)
             self.b = None if self.b is None else self.b.float()
         into = self.w if self.kind == "gemm" else None  # re-packed in place after a weight change
         if (w.dtype == torch.float32 or self.widen) and ENGINE_GEMM and cpu_kernels.gemm_runs(w):
             self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w, into), w.shape[0]  # bf16 widened while packed
             return
-        if w.dtype == torch.bfloat16 and not self.widen and ENGINE_GEMM_BF16 and cpu_kernels.gemm_bf16_runs(w):
-            self.b = None if self.b is None else self.b.float()  # bias added to the float32 sums before rounding
-            self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack_bf16(w, into), w.shape[0]  # bf16 pair panels
+        if pairs:  # bf16 panels of k pairs for vdpbf16ps
+            self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack_bf16(w, into), w.shape[0]
             return
         w = w.float() if self.widen else w
         blocked = _onednn_pack(w, self.batch_hint)

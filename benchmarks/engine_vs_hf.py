@@ -176,7 +176,7 @@ def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
     down (+ residual) of every layer in order, then the lm_head, on `rows` random rows; best of `reps`."""
     H = runner.embed.weight.shape[1]
     x = torch.randn(rows, H, dtype=runner.dtype, device=runner.device)
-    inner = runner.gate_up[0](x).shape[1] // 2
+    inner = _weight(runner.down[0].mods[0]).shape[1]  # the MLP's width (gate|up may return silu(gate) * up already)
     a_o = torch.randn(rows, runner.n_heads * runner.head_dim, dtype=runner.dtype, device=runner.device)
     a_d = torch.randn(rows, inner, dtype=runner.dtype, device=runner.device)
 

@@ -370,7 +370,8 @@ def test_fp32_engine_computes_norms_and_swiglu_as_the_trainer_does():
     model = load_model("tiny-random")
     layer, H = model.model.layers[0], model.config.hidden_size
     x = torch.randn(5, H)
-    g, u = torch.randn(5, 2 * layer.mlp.gate_proj.out_features).chunk(2, -1)  # strided halves, as in the engine
+    gu = torch.randn(5, 2 * layer.mlp.gate_proj.out_features)  # the gate|up output; _gated takes its strided halves
+    g, u = gu.chunk(2, -1)
     with torch.no_grad():
         for fused in (True, False):
             layers.use_fused_layers(model, enabled=fused)
@@ -378,4 +379,4 @@ def test_fp32_engine_computes_norms_and_swiglu_as_the_trainer_does():
             assert runner.attn_in[0].fused == fused and runner.fused_mlp[0] == fused
             assert torch.equal(runner.attn_in[0](x), layer.input_layernorm(x))
             expect = layers.swiglu(g.contiguous(), u.contiguous()) if fused else torch.nn.functional.silu(g) * u
-            assert torch.equal(runner._gated(0, g, u), expect)
+            assert torch.equal(runner._gated(0, gu), expect)

@@ -206,6 +206,58 @@ def test_engine_bf16_linear_runs_on_the_bf16_panels(monkeypatch):
     assert lin.w.data_ptr() == first and not torch.equal(lin(x, residual=r), expect)
 
 
+@needs_bf16_kernel
+@pytest.mark.parametrize("M,I,Kd,bias", [(64, 1536, 576, False), (7, 96, 64, True), (1, 160, 128, False),
+                                         (13, 80, 32, True), (400, 64, 20, False)])
+def test_swiglu_epilogue_is_silu_mul_of_the_product(M, I, Kd, bias):
+    """gemm_packed(glu=True) on panels of glu_rows([gate; up]) returns silu(gate) * up bit for bit as the plain
+    GEMM then `silu_mul` compute it (incl. a row tail past the last 64-column vector step: I = 80, 160)."""
+    g = torch.Generator().manual_seed(M + I)
+    w, x = (torch.randn(2 * I, Kd, generator=g) * 0.2).bfloat16(), torch.randn(M, Kd, generator=g).bfloat16()
+    b = torch.randn(2 * I, generator=g) if bias else None
+    gu = K.gemm_packed(x, K.gemm_pack_bf16(w), 2 * I, b)
+    expect = K.silu_mul(gu[:, :I], gu[:, I:])
+    packed = K.gemm_pack_bf16(K.glu_rows(w))
+    h = K.gemm_packed(x, packed, 2 * I, None if b is None else K.glu_rows(b), None, True)
+    assert h.shape == (M, I) and torch.equal(h, expect)
+    assert torch.equal(K.gemm_packed(x[M // 2 :], packed, 2 * I, None if b is None else K.glu_rows(b), None, True), expect[M // 2 :])
+
+
+@needs_bf16_kernel
+def test_swiglu_epilogue_refuses_what_it_cannot_do():
+    w, x = torch.randn(2 * 48, 32).bfloat16(), torch.randn(3, 32).bfloat16()  # 96 = 3 panels of 32: fine
+    assert K.gemm_packed(x, K.gemm_pack_bf16(K.glu_rows(w)), 96, None, None, True).shape == (3, 48)
+    with pytest.raises(RuntimeError, match="SwiGLU"):  # N not a multiple of the panel width
+        K.gemm_packed(x, K.gemm_pack_bf16(w[:80]), 80, None, None, True)
+    with pytest.raises(RuntimeError, match="SwiGLU"):  # no residual
+        K.gemm_packed(x, K.gemm_pack_bf16(w), 96, None, torch.zeros(3, 96).bfloat16(), True)
+    with pytest.raises(RuntimeError, match="SwiGLU"):  # bf16 panels only
+        K.gemm_packed(x.float(), K.gemm_pack(w), 96, None, None, True)
+
+
+@needs_bf16_kernel
+def test_engine_gate_up_linear_returns_the_swiglu(monkeypatch):
+    """The runner's gate|up linear of a SiLU MLP on bf16 panels returns silu(gate) * up (the `_gated` input), the
+    same values as the gate|up product then `silu_mul`; re-packed in place after a weight change."""
+    monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", True)
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
+    torch.manual_seed(0)
+    gate, up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
+    lin = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16, swiglu=True)
+    plain = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16)
+    lin.refresh(), plain.refresh()
+    assert lin.glu and not plain.glu
+    x = torch.randn(9, 64).bfloat16()
+    gu = plain(x)
+    assert torch.equal(lin(x), K.silu_mul(gu[:, :96], gu[:, 96:]))
+    first = lin.w.data_ptr()
+    with torch.no_grad():
+        up.weight.mul_(2)
+    lin.refresh(), plain.refresh()
+    gu = plain(x)
+    assert lin.w.data_ptr() == first and torch.equal(lin(x), K.silu_mul(gu[:, :96], gu[:, 96:]))
+
+
 def test_engine_linear_keeps_onednn_where_the_rule_says(monkeypatch):
     monkeypatch.setattr(runner, "ENGINE_GEMM", False)
     monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", False)

@@ -228,11 +228,28 @@ def gemm_pack_bf16(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.T
 
 
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x (M, K) -> x·Wᵀ (+ bias) (+ residual), (M, n), W the (n, K) weight `packed` holds. float32 (`gemm_pack`):
     each output is a float32 FMA chain over k in order, then + bias, then + residual. bf16 (`gemm_pack_bf16`, x
     and residual bf16): a float32 sum over the k pairs in order (vdpbf16ps adds a pair's two exact products to
     the lane), + bias and + residual in float32, rounded once to bf16. Either way the same values for any M and
-    thread count, F.linear's values up to the summation order."""
-    return _module.gemm_packed(x.contiguous(), packed, n, bias, residual)
+    thread count, F.linear's values up to the summation order.
+
+    glu (bf16 panels of `glu_rows(W)`, W = [gate; up] (2I, K), bias in the same order, no residual): the SwiGLU
+    MLP's h = silu(gate) * up (M, I) from the tile's float32 sums, bit for bit `silu_mul` of the two halves of
+    the plain product: the (M, 2I) gate|up output is never written."""
+    return _module.gemm_packed(x.contiguous(), packed, n, bias, residual, glu)
+
+
+def glu_rows(w: torch.Tensor) -> torch.Tensor:
+    """[gate; up] (2I, ...) rows -> the order `gemm_packed(glu=True)` takes: each bf16 panel of NR = 32 columns holds
+    16 gate rows then the same 16 up rows (I a multiple of 16). Works for weights (2I, K) and biases (2I,)."""
+    half = gemm_panel_width() // 2
+    two_i = w.shape[0]
+    return w.reshape(2, two_i // 2 // half, half, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+
+def gemm_panel_width() -> int:
+    """NR, the output columns of one packed panel (32 with AVX-512, 16 with AVX2; 0 where the kernel is not built)."""
+    return _module.gemm_panel_width() if load() is not None else 0
 

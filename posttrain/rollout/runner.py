@@ -139,16 +139,19 @@ class _Linear:
     `refresh()` (the engine calls it when the weights change). Unpacked: reads the modules' weights
     at every call (no extra memory; a LoRA layer's merged weight is recomputed per call)."""
 
-    def __init__(self, mods, pack: bool, batch_hint: int = 64, dtype: torch.dtype | None = None):
+    def __init__(self, mods, pack: bool, batch_hint: int = 64, dtype: torch.dtype | None = None, swiglu: bool = False):
         self.mods, self.pack, self.batch_hint, self.dtype = mods, pack, batch_hint, dtype
         self.lora = [arch.is_lora(m) for m in mods]  # LoRA layers: read merged (arch.effective_weight)
         self.w = self.b = None  # the packed copy: posttrain's panels (self.kind "gemm"), oneDNN blocked, or W^T
         self.kind, self.widen = "wt", False
+        # a SiLU-gated MLP's [gate; up]: on bf16 panels the GEMM's epilogue returns silu(gate) * up (`self.glu`)
+        self.swiglu, self.glu = swiglu, False
 
     @torch.no_grad()
     def refresh(self) -> None:
         if not self.pack:
             return
+        self.glu = False
         wb = [effective_weight(m) for m in self.mods]  # LoRA layers: W + scale * B @ A
         ws, bs = [w for w, _ in wb], [b for _, b in wb]
         w = self._concat(ws)  # (out, in) in the compute dtype
@@ -164,7 +167,10 @@ class _Linear:
         if (w.dtype == torch.float32 or self.widen) and ENGINE_GEMM and cpu_kernels.gemm_runs(w):
             self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w, into), w.shape[0]  # bf16 widened while packed
             return
-        if pairs:  # bf16 panels of k pairs for vdpbf16ps
+        if pairs:  # bf16 panels of k pairs for vdpbf16ps; a SwiGLU [gate; up] in the epilogue's column order
+            self.glu = self.swiglu and w.shape[0] % cpu_kernels.gemm_panel_width() == 0
+            if self.glu:
+                w, self.b = cpu_kernels.glu_rows(w), None if self.b is None else cpu_kernels.glu_rows(self.b)
             self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack_bf16(w, into), w.shape[0]
             return
         w = w.float() if self.widen else w
@@ -180,7 +186,7 @@ class _Linear:
 
     def _matmul(self, x, residual):
         if self.kind == "gemm":
-            return cpu_kernels.gemm_packed(x, self.w, self.n, self.b, residual)
+            return cpu_kernels.gemm_packed(x, self.w, self.n, self.b, residual, self.glu)
         if self.kind == "onednn":
             if residual is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, self.w, self.b, "add")
@@ -291,8 +297,8 @@ class Runner:
 
         cast = None if self.dtype == self.embed.weight.dtype else self.dtype
 
-        def lin(mods):
-            return _Linear(mods, pack, hint, cast)
+        def lin(mods, swiglu=False):
+            return _Linear(mods, pack, hint, cast, swiglu)
 
         def norm(mod):
             return _Norm(mod, fam.norm, cast)
@@ -301,11 +307,12 @@ class Runner:
             return [None if name is None else norm(getattr(l, name)) for l in self.layers]
 
         attn, mlp = [l.self_attn for l in self.layers], [l.mlp for l in self.layers]
+        silu = self.recipe.act is F.silu  # bf16 panels: silu(gate) * up in the gate|up GEMM's epilogue
         if fam.fused:
-            self.qkv, self.gate_up = [lin([a.qkv_proj]) for a in attn], [lin([m.gate_up_proj]) for m in mlp]
+            self.qkv, self.gate_up = [lin([a.qkv_proj]) for a in attn], [lin([m.gate_up_proj], silu) for m in mlp]
         else:
             self.qkv = [lin([a.q_proj, a.k_proj, a.v_proj]) for a in attn]
-            self.gate_up = [lin([m.gate_proj, m.up_proj]) for m in mlp]
+            self.gate_up = [lin([m.gate_proj, m.up_proj], silu) for m in mlp]
         self.o, self.down = [lin([a.o_proj]) for a in attn], [lin([m.down_proj]) for m in mlp]
         self.lm_head = lin([hf.lm_head])
         self.embedding = _Embedding(self.embed, self.recipe.embed_scale, pack, cast)
@@ -427,14 +434,18 @@ class Runner:
                 self.k_cache[i].index_copy_(0, slots, k)
                 self.v_cache[i].index_copy_(0, slots, v)
             x = _residual(self.o[i], attend(i, q, k, v), x, self.attn_out[i])  # x + [post-norm] o_proj(attn)
-            gu = self.gate_up[i](x if self.mlp_in[i] is None else self.mlp_in[i](x))
-            I = gu.shape[1] // 2
-            x = _residual(self.down[i], self._gated(i, gu[:, :I], gu[:, I:]), x, self.mlp_out[i])  # x + down(act(gate) * up)
+            h = self._gated(i, self.gate_up[i](x if self.mlp_in[i] is None else self.mlp_in[i](x)))
+            x = _residual(self.down[i], h, x, self.mlp_out[i])  # x + down(act(gate) * up)
         return self.norm(x)
 
-    def _gated(self, i: int, g, u):
-        """act(g) * u; float32 through training's SwiGLU kernel where layer i's MLP module runs it (same exp),
-        bf16 SiLU through one pass with eager's roundings (cpu_kernels.silu_mul)."""
+    def _gated(self, i: int, gu):
+        """act(gate) * up from layer i's gate|up output: the GEMM's epilogue computed it already (`_Linear.glu`); float32
+        through training's SwiGLU kernel where layer i's MLP module runs it (same exp), bf16 SiLU through one pass
+        with eager's roundings (cpu_kernels.silu_mul)."""
+        if self.gate_up[i].glu:
+            return gu
+        I = gu.shape[1] // 2
+        g, u = gu[:, :I], gu[:, I:]
         if self.fused_mlp[i] and (h := layers.swiglu_rows(g, u)) is not None:
             return h
         if self.act is F.silu:

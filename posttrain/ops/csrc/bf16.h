@@ -55,6 +55,21 @@ inline vec loadv(const uint16_t* p) {  // VL bf16 -> VL float32 (exact: the uppe
 }
 inline void storev(float* p, vec x) { *reinterpret_cast<vec*>(p) = x; }
 
+// VL float32 -> bf16 bits, round to nearest even (NaN -> 0x7fc0): f2bf on every lane
+inline uvec f2bf_bits(vec x) {
+  uvec u;
+  std::memcpy(&u, &x, sizeof u);
+  const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uvec{} + 0x7fc0u : rounded;
+}
+inline vec round_bf(vec x) {  // each lane rounded to bf16 precision (round_bf on every lane)
+  const uvec u = f2bf_bits(x) << 16;
+  vec f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline void store_bf16(uint16_t* p, vec x) { *reinterpret_cast<hvec*>(p) = __builtin_convertvector(f2bf_bits(x), hvec); }
+
 }  // namespace posttrain_vec
 
 #if defined(__x86_64__) && defined(__AVX2__)

@@ -130,17 +130,15 @@ inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* h, int6
   for (const int64_t nv = n / 64 * 64; j < nv; j += 16) {
     const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j))), 16));
-    alignas(64) float s[16];
-    _mm512_store_ps(s, _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign)))));
-    for (int l = 0; l < 16; ++l) h[j + l] = f2bf(round_bf(s[l]) * bf2f(u[j + l]));
+    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
+    posttrain_vec::store_bf16(h + j, posttrain_vec::round_bf((posttrain_vec::vec)s) * posttrain_vec::loadv(u + j));
   }
 #elif defined(__AVX2__)
   const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
   for (const int64_t nv = n / 32 * 32; j < nv; j += 8) {
     const __m256 x = posttrain_vec::load8(g + j);
-    alignas(32) float s[8];
-    _mm256_store_ps(s, _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign)))));
-    for (int l = 0; l < 8; ++l) h[j + l] = f2bf(round_bf(s[l]) * bf2f(u[j + l]));
+    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign))));
+    posttrain_vec::store_bf16(h + j, posttrain_vec::round_bf((posttrain_vec::vec)s) * posttrain_vec::loadv(u + j));
   }
 #endif
   for (; j < n; ++j) {
@@ -187,7 +185,7 @@ bool group_attention_available();
 // the engine's linears against packed weights, float32 or bf16 (gemm_kernel.cpp)
 torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> residual);
+                          c10::optional<torch::Tensor> residual, bool glu);
 torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into);
 bool gemm_kernel_available();
 bool gemm_bf16_kernel_available();
@@ -212,7 +210,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("gemm_pack", &gemm_pack, "weight (N, K) -> float32 panels (P, K, NR) for gemm_packed, into `into` if it fits",
         py::arg("w"), py::arg("into") = py::none());
-  m.def("gemm_packed", &gemm_packed, "x (M, K) @ packed weight^T (+ bias) (+ residual) -> (M, N): float32, or bf16 panels and x");
+  m.def("gemm_packed", &gemm_packed, "x (M, K) @ packed weight^T (+ bias) (+ residual) -> (M, N): float32, or bf16 panels and x; "
+        "glu: bf16 panels of glu_rows order -> silu(gate) * up (M, N/2)", py::arg("x"), py::arg("packed"), py::arg("N"),
+        py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("glu") = false);
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "bf16 weight (N, K), K even -> bf16 panels of pairs (P, K/2, NR, 2) for "
         "gemm_packed (AVX-512 BF16), into `into` if it fits", py::arg("w"), py::arg("into") = py::none());
   m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");

@@ -25,13 +25,19 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp with AVX-512 (exported by libtorch_cpu)
+#endif
 
 namespace {
 
@@ -75,6 +81,8 @@ struct Tile {
   const T* res;       // residual rows, stride ldc, or null
   const char* pf;     // lines of the next panel to prefetch, or null
   int64_t pf_lines;
+  int64_t glu_exp;    // SwiGLU epilogue (bf16): columns of h below this take the vector exp (-1: no SwiGLU)
+  int64_t col0;       // the tile's first column of h
 };
 
 // acc[i][j] += x[i, step] ⊗ panel[step, j-th vector], i < R: one k (float32: broadcast x, FMA) or two
@@ -109,8 +117,32 @@ inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// SwiGLU epilogue of one row: the panel's first vector holds 16 gate columns, its second the same 16 up columns
+// (`glu_rows` order). h = bf16(float(bf16(silu(g))) * float(u)) with g, u the bf16 roundings of the sums (+ bias):
+// what the engine's gate|up linear then `silu_mul` compute, bit for bit, including which columns take SLEEF's
+// vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop).
+inline void glu_store(const Tile<uint16_t>& t, const V (&acc)[NV], int64_t row) {
+  using posttrain_vec::round_bf;
+  using posttrain_vec::vec;
+  vec g = (vec)acc[0], u = (vec)acc[1];
+  if (t.bias) {
+    g += posttrain_vec::loadv(t.bias);
+    u += posttrain_vec::loadv(t.bias + VL);
+  }
+  g = round_bf(g);
+  vec s;
+  if (t.col0 + VL <= t.glu_exp) {
+    s = (vec)_mm512_div_ps((__m512)g, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_xor_ps((__m512)g, _mm512_set1_ps(-0.f)))));
+  } else {
+    for (int l = 0; l < VL; ++l) s[l] = g[l] / (1.0f + std::exp(-g[l]));
+  }
+  posttrain_vec::store_bf16(t.c + row * t.ldc, round_bf(s) * round_bf(u));
+}
+#endif
+
 // R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
-// `cols` columns; bf16 outputs rounded once, to nearest even).
+// `cols` columns; bf16 outputs rounded once, to nearest even), or the SwiGLU epilogue (glu_exp >= 0).
 template <int R, typename T>
 void micro(const Tile<T>& t) {
   V acc[R][NV];
@@ -128,6 +160,14 @@ void micro(const Tile<T>& t) {
     }
     step<R>(t, k, acc);
   }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (t.glu_exp >= 0) {
+      for (int i = 0; i < R; ++i) glu_store(t, acc[i], i);
+      return;
+    }
+  }
+#endif
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     alignas(64) float row[NR];
@@ -157,19 +197,21 @@ void run_tile(const Tile<T>& t, int64_t rows) {
 // per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
 template <typename T>
 void drive(const T* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
-           const float* bp, const T* rp, T* C) {
+           const float* bp, const T* rp, T* C, int64_t glu_exp = -1) {
   const int64_t lines = panel * int64_t(sizeof(T)) / 64;
+  const bool glu = glu_exp >= 0;  // C is h (M, N/2): panel p gives its columns [p*VL, (p+1)*VL)
+  const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
-        Tile<T> t{nullptr, K, B + p * panel, steps, nullptr, N, std::min<int64_t>(NR, N - p * NR),
-                  bp ? bp + p * NR : nullptr, nullptr, nullptr, 0};
+        Tile<T> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
+                  bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
           const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
           t.a = A + row * K;
-          t.c = C + row * N + p * NR;
+          t.c = C + row * ldc + p * width;
           t.res = rp ? rp + row * N + p * NR : nullptr;
           t.pf = next ? next + 64 * first : nullptr;
           t.pf_lines = next ? last - first : 0;
@@ -275,8 +317,10 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into)
 // x (M, K), packed from gemm_pack (x float32) or gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None,
 // residual (M, N) or None -> (M, N) in x's dtype
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> residual) {
+                          c10::optional<torch::Tensor> residual, bool glu) {
   const bool bf = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(!glu || (bf && N % NR == 0 && !residual.has_value()),
+              "gemm_packed: the SwiGLU epilogue needs bf16 panels of glu_rows order, N a multiple of ", NR, ", no residual");
   const auto dtype = bf ? torch::kBFloat16 : torch::kFloat32;
   TORCH_CHECK(!bf || BF16_KERNEL, "gemm_packed: bf16 panels need a CPU with AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.device().is_cpu(),
@@ -287,7 +331,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
               (packed.size(0) - 1) * NR < N && packed.is_contiguous(), "gemm_packed: packed weight does not match x or N");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, glu ? N / 2 : N}, x.options());
   torch::Tensor b, r;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "gemm_packed: bias of ", bias->numel(), " values for ", N, " outputs");
@@ -304,7 +348,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
     using H = uint16_t;
     drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, reinterpret_cast<const H*>(packed.data_ptr()), P, steps,
           panel, N, bp, r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr,
-          reinterpret_cast<H*>(out.data_ptr()));
+          reinterpret_cast<H*>(out.data_ptr()), glu ? N / 2 / 64 * 64 : -1);  // torch's silu: 64-value vector steps
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
           r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>());
@@ -321,7 +365,7 @@ torch::Tensor gemm_pack_bf16(torch::Tensor, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gemm_pack_bf16 needs an x86-64 CPU with AVX-512 BF16");
 }
 torch::Tensor gemm_pack(torch::Tensor, c10::optional<torch::Tensor>) { TORCH_CHECK(false, "gemm_pack needs an x86-64 CPU with AVX2 and FMA"); }
-torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
+torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool) {
   TORCH_CHECK(false, "gemm_packed needs an x86-64 CPU with AVX2 and FMA");
 }
 

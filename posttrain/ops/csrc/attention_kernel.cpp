@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -123,30 +124,128 @@ void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float s
   }
 }
 
-// acc[r*D + d] += sum_c p[r*ldp + c] * V(c)[d] for r < R, c < n; rows 4 at a time, each value row converted
-// once per block (V(c): D floats or T values), D in chunks of CH vectors (4 x CH accumulators: the whole row
-// in AVX-512's 32 registers, 2 vectors in AVX2's 16). Rows of p past R up to the next multiple of 4 must be readable.
-template <int NV, typename T, typename ValAt>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define POSTTRAIN_ATTN_DPBF16 1
+// 16 x 16 transpose of 32-bit values: out[c] lane i = in[i] lane c
+inline void transpose16(const __m512i (&in)[16], __m512i (&out)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xee);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xee);
+    out[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    out[4 + k] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    out[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    out[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
+// scores with bf16 dot products (vdpbf16ps): S[r*lds + c] = scale * <q_r, key(c)>, q_r = qrow[r] (D bf16), for
+// r < R, c < nk. A block of 16 keys is transposed once into Kt (D/2 vectors: pair j of the 16 keys), then each row
+// takes D/2 vdpbf16ps with its pair j broadcast: each key's lane sums its exact products in float32, even and odd
+// pairs in two chains added at the end (8 independent chains for 4 rows: vdpbf16ps's latency is hidden). The next
+// block's keys are prefetched while a block is in use.
+template <typename KeyAt>
+void scores_bf16(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds,
+                 float* Kt) {  // Kt: D/2 x 16 floats of scratch
+  const int64_t pairs = D / 2, lines = D * 2 / 64;
+  for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, nk - c0);
+    for (int64_t c = c0 + 16; c < std::min(nk, c0 + 32); ++c)
+      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(key(c)) + 64 * l, _MM_HINT_T0);
+    for (int64_t j0 = 0; j0 < pairs; j0 += 16) {  // 16 pairs (32 dims) of the 16 keys at a time
+      __m512i in[16], out[16];
+      for (int64_t c = 0; c < 16; ++c)
+        in[c] = _mm512_loadu_si512(key(c0 + std::min(c, nb - 1)) + 2 * j0);  // a short block repeats its last key
+      transpose16(in, out);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(Kt + (j0 + j) * 16, out[j]);
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, R - r0);
+      __m512 even[4], odd[4];
+      const uint16_t* q[4];
+      for (int i = 0; i < 4; ++i) {
+        q[i] = qrow[r0 + std::min<int64_t>(i, nr - 1)];
+        even[i] = odd[i] = _mm512_setzero_ps();
+      }
+      for (int64_t j = 0; j < pairs; j += 2) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(Kt + j * 16), k1 = (__m512bh)_mm512_loadu_si512(Kt + (j + 1) * 16);
+        for (int i = 0; i < 4; ++i) {
+          int32_t p0, p1;
+          std::memcpy(&p0, q[i] + 2 * j, 4);
+          std::memcpy(&p1, q[i] + 2 * j + 2, 4);
+          even[i] = _mm512_dpbf16_ps(even[i], (__m512bh)_mm512_set1_epi32(p0), k0);
+          odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32(p1), k1);
+        }
+      }
+      for (int64_t i = 0; i < nr; ++i) {
+        alignas(64) float out[16];
+        _mm512_store_ps(out, _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale)));
+        std::memcpy(S + (r0 + i) * lds + c0, out, nb * sizeof(float));
+      }
+    }
+  }
+}
+#endif
+
+#if defined(POSTTRAIN_ATTN_DPBF16)
+// The same scores for few rows (a sample's G own rows), without the transpose: per row, each key's D/32 vdpbf16ps
+// give 16 lane partials, and `lane_sums` adds the 16 keys' lanes at once (key c computed into slot REV[c]).
+template <int NV32, typename KeyAt>
+void scores_bf16_few(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds) {
+  const int64_t nv = NV32 ? NV32 : D / 32;  // vectors of 32 bf16 per row (known at compile time for D = 64, 128)
+  for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, nk - c0);
+    const uint16_t* k[16];
+    for (int64_t c = 0; c < 16; ++c) k[REV[c]] = key(c0 + std::min(c, nb - 1));  // a short block repeats its last key
+    for (int64_t r = 0; r < R; ++r) {
+      vec a[16];
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {
+        __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < nv; ++j)
+          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qrow[r] + 32 * j), (__m512bh)_mm512_loadu_si512(k[c] + 32 * j));
+        a[c] = (vec)acc;
+      }
+      const vec out = lane_sums(a) * scale;
+      for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
+    }
+  }
+}
+#endif
+
+// acc[r*D + d] += sum_c p[r*ldp + c] * V(c)[d] for r < R, c < n; rows RB at a time, each value row converted
+// once per block (V(c): D floats or T values), D in chunks of CH vectors (RB x CH accumulators: up to 24 of
+// AVX-512's 32 registers, 8 of AVX2's 16). Rows of p past R up to the next multiple of RB must be readable.
+template <int NV, typename T, int RB, typename ValAt>
 void weighted_sum(const float* p, int64_t ldp, int64_t R, int64_t n, ValAt val, int64_t D, float* acc) {
-  constexpr int64_t CH = VL == 16 ? (NV ? NV : 16) : 2;
+  constexpr int64_t CH = (VL == 16 ? 24 : 8) / RB;
   const int64_t nv = NV ? NV : D / VL;
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
-    const float *p0 = p + r0 * ldp, *p1 = p0 + ldp, *p2 = p1 + ldp, *p3 = p2 + ldp;
+  for (int64_t r0 = 0; r0 < R; r0 += RB) {
+    const float* pr[RB];
+    for (int i = 0; i < RB; ++i) pr[i] = p + (r0 + i) * ldp;
     for (int64_t j0 = 0; j0 < nv; j0 += CH) {
       const int64_t nj = std::min(CH, nv - j0);
-      vec o0[CH] = {}, o1[CH] = {}, o2[CH] = {}, o3[CH] = {};
+      vec o[RB][CH] = {};
       for (int64_t c = 0; c < n; ++c) {
         const T* v = val(c) + j0 * VL;
         for (int64_t j = 0; j < nj; ++j) {
           const vec x = loadv(v + j * VL);
-          o0[j] += p0[c] * x;
-          o1[j] += p1[c] * x;
-          o2[j] += p2[c] * x;
-          o3[j] += p3[c] * x;
+#pragma GCC unroll 8
+          for (int i = 0; i < RB; ++i) o[i][j] += pr[i][c] * x;
         }
       }
-      const vec* o[4] = {o0, o1, o2, o3};
-      for (int64_t i = 0; i < 4 && r0 + i < R; ++i)
+      for (int64_t i = 0; i < RB && r0 + i < R; ++i)
         for (int64_t j = 0; j < nj; ++j) {
           float* out = acc + (r0 + i) * D + (j0 + j) * VL;
           storev(out, loadv(out) + o[i][j]);
@@ -211,10 +310,10 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   }
   const int64_t R = static_cast<int64_t>(rows.size()) * G, np = P - pmin, Ls = std::max<int64_t>(np, 1), Lo = std::max<int64_t>(own_max, 1);
   if (R == 0) return;
-  // scratch, kept per thread across tasks and calls: Q (R x D), Kf (16 x D), Sp / So (R + 4 rows: weighted_sum
-  // reads whole blocks of 4), acc (R x D, zeroed), Vp (np x D), inv (R)
+  // scratch, kept per thread across tasks and calls: Q (R x D), Kf (16 x D), Sp / So (R + 8 rows: weighted_sum
+  // reads whole blocks of rows), acc (R x D, zeroed), Vp (np x D), inv (R)
   thread_local std::vector<float> scratch;
-  const int64_t sizes[7] = {R * D, KB * D, (R + 4) * Ls, (R + 4) * Lo, R * D, np * D, R};
+  const int64_t sizes[7] = {R * D, KB * D, (R + 8) * Ls, (R + 8) * Lo, R * D, np * D, R};
   int64_t total = 0;
   for (int64_t z : sizes) total += (z + 15) / 16 * 16;
   if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
@@ -222,17 +321,34 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   for (int i = 0, at = 0; i < 7; at += (sizes[i] + 15) / 16 * 16, ++i) parts[i] = scratch.data() + at;
   Span Q{parts[0]}, Kf{parts[1]}, Sp{parts[2]}, So{parts[3]}, acc{parts[4]}, Vp{parts[5]}, inv{parts[6]};
   std::fill(acc.data(), acc.data() + R * D, 0.f);
-  for (size_t i = 0; i < rows.size(); ++i)
-    for (int64_t j = 0; j < G; ++j) {
-      const T* q = a.q + rows[i].n * a.q0 + (h * G + j) * a.q1;
-      for (int64_t d = 0; d < D; ++d) Q[(i * G + j) * D + d] = to_f(q[d]);
-    }
+  auto q_row = [&](int64_t i, int64_t j) { return a.q + rows[i].n * a.q0 + (h * G + j) * a.q1; };  // sample i, head j of h
+  auto prompt_key = [&](int64_t c) { return kc + (pmin + c) * D; };
   // scores: the prompt keys every row sees (shared), then each sample's own keys (its G rows)
-  scores<NV, T>(Q.data(), R, D, [&](int64_t c) { return kc + (pmin + c) * D; }, np, a.scale, Sp.data(), Ls, Kf.data());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    scores<NV, T>(Q.data() + i * G * D, G, D, [&](int64_t c) { return kc + (P + (r.j0 + c) * W + r.m) * D; }, r.own - r.j0, a.scale,
-              So.data() + i * G * Lo, Lo, Kf.data());
+#if defined(POSTTRAIN_ATTN_DPBF16)
+  if (std::is_same_v<T, uint16_t> && D % 32 == 0) {  // bf16 dot products straight from the bf16 q and keys
+    auto bits = [](const T* p) { return reinterpret_cast<const uint16_t*>(p); };
+    thread_local std::vector<const uint16_t*> qrow;
+    qrow.resize(R);
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int64_t j = 0; j < G; ++j) qrow[i * G + j] = bits(q_row(i, j));
+    scores_bf16(qrow.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      scores_bf16_few<NV * VL / 32>(qrow.data() + i * G, G, D, [&](int64_t c) { return bits(kc + (P + (r.j0 + c) * W + r.m) * D); },
+                                    r.own - r.j0, a.scale, So.data() + i * G * Lo, Lo);
+    }
+  } else
+#endif
+  {
+    for (size_t i = 0; i < rows.size(); ++i)  // float32 queries
+      for (int64_t j = 0; j < G; ++j)
+        for (int64_t d = 0; d < D; ++d) Q[(i * G + j) * D + d] = to_f(q_row(i, j)[d]);
+    scores<NV, T>(Q.data(), R, D, prompt_key, np, a.scale, Sp.data(), Ls, Kf.data());
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      scores<NV, T>(Q.data() + i * G * D, G, D, [&](int64_t c) { return kc + (P + (r.j0 + c) * W + r.m) * D; }, r.own - r.j0, a.scale,
+                    So.data() + i * G * Lo, Lo, Kf.data());
+    }
   }
   // softmax of each row over its visible keys: unnormalised weights in place, 1 / their sum in inv
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -248,15 +364,18 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   // out = weights @ V: the prompt's values in float32 once, for all rows; each sample's own values for its rows
   for (int64_t c = 0; c < np; ++c)
     for (int64_t j = 0; j < D / VL; ++j) storev(Vp.data() + c * D + j * VL, loadv(vc + (pmin + c) * D + j * VL));
-  weighted_sum<NV, float>(Sp.data(), Ls, R, np, [&](int64_t c) { return Vp.data() + c * D; }, D, acc.data());
+  weighted_sum<NV, float, VL == 16 ? 6 : 4>(Sp.data(), Ls, R, np, [&](int64_t c) { return Vp.data() + c * D; }, D, acc.data());
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    weighted_sum<NV, T>(So.data() + i * G * Lo, Lo, G, r.own - r.j0, [&](int64_t c) { return vc + (P + (r.j0 + c) * W + r.m) * D; }, D,
-                    acc.data() + i * G * D);
+    auto own_val = [&](int64_t c) { return vc + (P + (r.j0 + c) * W + r.m) * D; };
+    if (G % 3 == 0 && G % 4 != 0)  // a sample's G rows in blocks of 3 (no padding row for G = 3, 6, 9) or 4
+      weighted_sum<NV, T, 3>(So.data() + i * G * Lo, Lo, G, r.own - r.j0, own_val, D, acc.data() + i * G * D);
+    else
+      weighted_sum<NV, T, 4>(So.data() + i * G * Lo, Lo, G, r.own - r.j0, own_val, D, acc.data() + i * G * D);
     for (int64_t j = 0; j < G; ++j) {
       T* o = a.out + r.n * (a.KV * G * D) + (h * G + j) * D;
       const float* x = acc.data() + (i * G + j) * D;
-      for (int64_t d = 0; d < D; ++d) put(o + d, x[d] * inv[i * G + j]);
+      for (int64_t d = 0; d < D; d += VL) storev(o + d, loadv(x + d) * inv[i * G + j]);  // rounded once to T
     }
   }
 }

@@ -69,6 +69,7 @@ inline vec round_bf(vec x) {  // each lane rounded to bf16 precision (round_bf o
   return f;
 }
 inline void store_bf16(uint16_t* p, vec x) { *reinterpret_cast<hvec*>(p) = __builtin_convertvector(f2bf_bits(x), hvec); }
+inline void storev(uint16_t* p, vec x) { store_bf16(p, x); }  // rounded to bf16
 
 }  // namespace posttrain_vec
 

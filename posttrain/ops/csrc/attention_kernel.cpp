@@ -10,9 +10,10 @@
 //   own   : S_m = Q_m K_m^T over sample m's own keys (stride W in the region), its G rows only
 //   out   : softmax over [S_p | S_m] (float32, SLEEF exp), O = P V, cast to the cache dtype
 //
-// with the new token's k/v written into the region first (it is the last own key). Windows (sliding
-// attention): key position p visible to query position q iff q - p < window, so each sample's prompt
-// and own ranges start later. Everything in float32 (SDPA rounds the probabilities to bf16 before P V; this
+// with the new token's k/v written into the region first (it is the last own key). bf16 with AVX-512 BF16: the
+// scores are vdpbf16ps dot products of the bf16 q and keys (exact products, float32 sums; `scores_bf16`).
+// Windows (sliding attention): key position p visible to query position q iff q - p < window, so each sample's
+// prompt and own ranges start later. Everything else in float32 (SDPA rounds the probabilities to bf16 before P V; this
 // does not), scores scaled after the dot product as SDPA does. Tasks run in parallel (at::parallel_for).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -195,9 +196,7 @@ void scores_bf16(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, i
     }
   }
 }
-#endif
 
-#if defined(POSTTRAIN_ATTN_DPBF16)
 // The same scores for few rows (a sample's G own rows), without the transpose: per row, each key's D/32 vdpbf16ps
 // give 16 lane partials, and `lane_sums` adds the 16 keys' lanes at once (key c computed into slot REV[c]).
 template <int NV32, typename KeyAt>

@@ -345,10 +345,12 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t panel = steps * NR * (bf ? 2 : 1);  // elements per panel
   if (bf) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)  // the bf16 micro-kernel exists only there (refused above elsewhere)
     using H = uint16_t;
     drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, reinterpret_cast<const H*>(packed.data_ptr()), P, steps,
           panel, N, bp, r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr,
           reinterpret_cast<H*>(out.data_ptr()), glu ? N / 2 / 64 * 64 : -1);  // torch's silu: 64-value vector steps
+#endif
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
           r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>());

@@ -223,6 +223,37 @@ def test_swiglu_epilogue_is_silu_mul_of_the_product(M, I, Kd, bias):
     assert torch.equal(K.gemm_packed(x[M // 2 :], packed, 2 * I, None if b is None else K.glu_rows(b), None, True), expect[M // 2 :])
 
 
+@needs_kernel
+@pytest.mark.parametrize("M,I,Kd,bias", [(64, 1536, 576, False), (7, 96, 64, True), (1, 80, 128, False), (13, 48, 32, True)])
+def test_swiglu_epilogue_on_float32_panels_of_bf16_values(M, I, Kd, bias):
+    """The widened-bf16 path (float32 panels of bf16 weights, float32 x of bf16 values): the epilogue returns, as
+    float32, the bf16 values `silu_mul` computes from the product rounded to bf16 (what the engine did before)."""
+    g = torch.Generator().manual_seed(M * I)
+    w, x = (torch.randn(2 * I, Kd, generator=g) * 0.2).bfloat16(), torch.randn(M, Kd, generator=g).bfloat16()
+    b = torch.randn(2 * I, generator=g).bfloat16().float() if bias else None
+    gu = K.gemm_packed(x.float(), K.gemm_pack(w), 2 * I, b).bfloat16()
+    expect = K.silu_mul(gu[:, :I], gu[:, I:])
+    h = K.gemm_packed(x.float(), K.gemm_pack(K.glu_rows(w)), 2 * I, None if b is None else K.glu_rows(b), None, True)
+    assert h.dtype == torch.float32 and h.shape == (M, I)
+    assert torch.equal(h.bfloat16(), expect) and torch.equal(h, expect.float())
+
+
+@needs_kernel
+def test_engine_widened_bf16_gate_up_returns_the_swiglu(monkeypatch):
+    monkeypatch.setattr(runner, "ENGINE_GEMM", True)
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", True)
+    torch.manual_seed(1)
+    gate, up = torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(64, 48, bias=False)
+    lin = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16, swiglu=True)
+    plain = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16)
+    lin.refresh(), plain.refresh()
+    assert lin.widen and lin.glu and not plain.glu
+    x = torch.randn(5, 64).bfloat16()
+    gu = plain(x)
+    out = lin(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, K.silu_mul(gu[:, :48], gu[:, 48:]))
+
+
 @needs_bf16_kernel
 def test_swiglu_epilogue_refuses_what_it_cannot_do():
     w, x = torch.randn(2 * 48, 32).bfloat16(), torch.randn(3, 32).bfloat16()  # 96 = 3 panels of 32: fine
@@ -231,8 +262,6 @@ def test_swiglu_epilogue_refuses_what_it_cannot_do():
         K.gemm_packed(x, K.gemm_pack_bf16(w[:80]), 80, None, None, True)
     with pytest.raises(RuntimeError, match="SwiGLU"):  # no residual
         K.gemm_packed(x, K.gemm_pack_bf16(w), 96, None, torch.zeros(3, 96).bfloat16(), True)
-    with pytest.raises(RuntimeError, match="SwiGLU"):  # bf16 panels only
-        K.gemm_packed(x.float(), K.gemm_pack(w), 96, None, None, True)
 
 
 @needs_bf16_kernel

@@ -235,15 +235,17 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     the lane), + bias and + residual in float32, rounded once to bf16. Either way the same values for any M and
     thread count, F.linear's values up to the summation order.
 
-    glu (bf16 panels of `glu_rows(W)`, W = [gate; up] (2I, K), bias in the same order, no residual): the SwiGLU
-    MLP's h = silu(gate) * up (M, I) from the tile's float32 sums, bit for bit `silu_mul` of the two halves of
-    the plain product: the (M, 2I) gate|up output is never written."""
+    glu (panels of `glu_rows(W)`, W = [gate; up] (2I, K) of bf16 values, bias in the same order, no residual): the
+    SwiGLU MLP's h = silu(gate) * up (M, I) from the tile's float32 sums, bit for bit `silu_mul` of the two halves
+    of the product rounded to bf16; float32 panels (the engine's widened bf16) return those bf16 values as float32.
+    The (M, 2I) gate|up output is never written."""
     return _module.gemm_packed(x.contiguous(), packed, n, bias, residual, glu)
 
 
 def glu_rows(w: torch.Tensor) -> torch.Tensor:
-    """[gate; up] (2I, ...) rows -> the order `gemm_packed(glu=True)` takes: each bf16 panel of NR = 32 columns holds
-    16 gate rows then the same 16 up rows (I a multiple of 16). Works for weights (2I, K) and biases (2I,)."""
+    """[gate; up] (2I, ...) rows -> the order `gemm_packed(glu=True)` takes: each panel of NR columns holds NR/2 gate
+    rows then the same NR/2 up rows (NR = 32 with AVX-512, 16 with AVX2; 2I a multiple of NR). Works for weights
+    (2I, K) and biases (2I,)."""
     half = gemm_panel_width() // 2
     two_i = w.shape[0]
     return w.reshape(2, two_i // 2 // half, half, *w.shape[1:]).transpose(0, 1).reshape(w.shape)

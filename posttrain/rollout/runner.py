@@ -165,18 +165,26 @@ class _Linear:
             self.b = None if self.b is None else self.b.float()
         into = self.w if self.kind == "gemm" else None  # re-packed in place after a weight change
         if (w.dtype == torch.float32 or self.widen) and ENGINE_GEMM and cpu_kernels.gemm_runs(w):
+            w = self._glu_order(w, self.widen)  # the SwiGLU epilogue has bf16 semantics: widened bf16 only
             self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack(w, into), w.shape[0]  # bf16 widened while packed
             return
-        if pairs:  # bf16 panels of k pairs for vdpbf16ps; a SwiGLU [gate; up] in the epilogue's column order
-            self.glu = self.swiglu and w.shape[0] % cpu_kernels.gemm_panel_width() == 0
-            if self.glu:
-                w, self.b = cpu_kernels.glu_rows(w), None if self.b is None else cpu_kernels.glu_rows(self.b)
+        if pairs:  # bf16 panels of k pairs for vdpbf16ps
+            w = self._glu_order(w, True)
             self.kind, self.w, self.n = "gemm", cpu_kernels.gemm_pack_bf16(w, into), w.shape[0]
             return
         w = w.float() if self.widen else w
         blocked = _onednn_pack(w, self.batch_hint)
         self.kind = "onednn" if blocked is not None else "wt"
         self.w = blocked if blocked is not None else w.t().contiguous()
+
+    def _glu_order(self, w, bf16: bool):
+        """A SiLU MLP's [gate; up] (bf16 values) in the order of the GEMM's SwiGLU epilogue (`glu_rows`), which
+        then returns silu(gate) * up as `silu_mul` computes it from the bf16 gate|up output (`self.glu`)."""
+        self.glu = self.swiglu and bf16 and w.shape[0] % cpu_kernels.gemm_panel_width() == 0
+        if not self.glu:
+            return w
+        self.b = None if self.b is None else cpu_kernels.glu_rows(self.b)
+        return cpu_kernels.glu_rows(w)
 
     def __call__(self, x, residual=None):
         """linear(x) (+ residual, fused into the matmul's epilogue where the packed path allows)."""

@@ -117,12 +117,22 @@ inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// SwiGLU epilogue of one row: the panel's first vector holds 16 gate columns, its second the same 16 up columns
+// exp on every lane with torch's vectorized exp (SLEEF: 16 lanes with AVX-512, 8 with AVX2)
+inline posttrain_vec::vec vexp(posttrain_vec::vec x) {
+#if defined(__AVX512F__)
+  return (posttrain_vec::vec)Sleef_expf16_u10((__m512)x);
+#else
+  return (posttrain_vec::vec)Sleef_expf8_u10((__m256)x);
+#endif
+}
+
+// SwiGLU epilogue of one row: the panel's first vector holds VL gate columns, its second the same VL up columns
 // (`glu_rows` order). h = bf16(float(bf16(silu(g))) * float(u)) with g, u the bf16 roundings of the sums (+ bias):
-// what the engine's gate|up linear then `silu_mul` compute, bit for bit, including which columns take SLEEF's
-// vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop).
-inline void glu_store(const Tile<uint16_t>& t, const V (&acc)[NV], int64_t row) {
+// what the engine's gate|up linear (bf16 out) then `silu_mul` compute, bit for bit, including which columns take
+// SLEEF's vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop). T = float (the
+// widened-bf16 path: float32 panels of bf16 values) stores those bf16 values as float32.
+template <typename T>
+inline void glu_store(const Tile<T>& t, const V (&acc)[NV], int64_t row) {
   using posttrain_vec::round_bf;
   using posttrain_vec::vec;
   vec g = (vec)acc[0], u = (vec)acc[1];
@@ -133,13 +143,21 @@ inline void glu_store(const Tile<uint16_t>& t, const V (&acc)[NV], int64_t row) 
   g = round_bf(g);
   vec s;
   if (t.col0 + VL <= t.glu_exp) {
-    s = (vec)_mm512_div_ps((__m512)g, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_expf16_u10(_mm512_xor_ps((__m512)g, _mm512_set1_ps(-0.f)))));
+    posttrain_vec::uvec bits;
+    std::memcpy(&bits, &g, sizeof bits);
+    bits ^= 0x80000000u;  // -g by its sign bit, as silu_mul computes it
+    vec neg;
+    std::memcpy(&neg, &bits, sizeof neg);
+    s = g / (1.f + vexp(neg));
   } else {
     for (int l = 0; l < VL; ++l) s[l] = g[l] / (1.0f + std::exp(-g[l]));
   }
-  posttrain_vec::store_bf16(t.c + row * t.ldc, round_bf(s) * round_bf(u));
+  const vec h = round_bf(s) * round_bf(u);
+  if constexpr (std::is_same_v<T, uint16_t>)
+    posttrain_vec::store_bf16(t.c + row * t.ldc, h);  // rounded once, to nearest even
+  else
+    posttrain_vec::storev(t.c + row * t.ldc, round_bf(h));
 }
-#endif
 
 // R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
 // `cols` columns; bf16 outputs rounded once, to nearest even), or the SwiGLU epilogue (glu_exp >= 0).
@@ -160,14 +178,10 @@ void micro(const Tile<T>& t) {
     }
     step<R>(t, k, acc);
   }
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    if (t.glu_exp >= 0) {
-      for (int i = 0; i < R; ++i) glu_store(t, acc[i], i);
-      return;
-    }
+  if (t.glu_exp >= 0) {
+    for (int i = 0; i < R; ++i) glu_store(t, acc[i], i);
+    return;
   }
-#endif
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     alignas(64) float row[NR];
@@ -319,8 +333,8 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into)
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual, bool glu) {
   const bool bf = packed.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(!glu || (bf && N % NR == 0 && !residual.has_value()),
-              "gemm_packed: the SwiGLU epilogue needs bf16 panels of glu_rows order, N a multiple of ", NR, ", no residual");
+  TORCH_CHECK(!glu || (N % NR == 0 && !residual.has_value()),
+              "gemm_packed: the SwiGLU epilogue needs panels of glu_rows order, N a multiple of ", NR, ", no residual");
   const auto dtype = bf ? torch::kBFloat16 : torch::kFloat32;
   TORCH_CHECK(!bf || BF16_KERNEL, "gemm_packed: bf16 panels need a CPU with AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.device().is_cpu(),
@@ -344,16 +358,17 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   if (M == 0 || N == 0) return out;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t panel = steps * NR * (bf ? 2 : 1);  // elements per panel
+  const int64_t glu_exp = glu ? N / 2 / (4 * VL) * (4 * VL) : -1;  // torch's bf16 silu loop: steps of 4 vectors
   if (bf) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)  // the bf16 micro-kernel exists only there (refused above elsewhere)
     using H = uint16_t;
     drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, reinterpret_cast<const H*>(packed.data_ptr()), P, steps,
           panel, N, bp, r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr,
-          reinterpret_cast<H*>(out.data_ptr()), glu ? N / 2 / 64 * 64 : -1);  // torch's silu: 64-value vector steps
+          reinterpret_cast<H*>(out.data_ptr()), glu_exp);
 #endif
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
-          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>());
+          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), glu_exp);
   }
   return out;
 }

@@ -238,22 +238,6 @@ def test_swiglu_epilogue_on_float32_panels_of_bf16_values(M, I, Kd, bias):
     assert torch.equal(h.bfloat16(), expect) and torch.equal(h, expect.float())
 
 
-@needs_kernel
-def test_engine_widened_bf16_gate_up_returns_the_swiglu(monkeypatch):
-    monkeypatch.setattr(runner, "ENGINE_GEMM", True)
-    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", True)
-    torch.manual_seed(1)
-    gate, up = torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(64, 48, bias=False)
-    lin = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16, swiglu=True)
-    plain = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16)
-    lin.refresh(), plain.refresh()
-    assert lin.widen and lin.glu and not plain.glu
-    x = torch.randn(5, 64).bfloat16()
-    gu = plain(x)
-    out = lin(x)
-    assert out.dtype == torch.bfloat16 and torch.equal(out, K.silu_mul(gu[:, :48], gu[:, 48:]))
-
-
 @needs_bf16_kernel
 def test_swiglu_epilogue_refuses_what_it_cannot_do():
     w, x = torch.randn(2 * 48, 32).bfloat16(), torch.randn(3, 32).bfloat16()  # 96 = 3 panels of 32: fine
@@ -264,21 +248,26 @@ def test_swiglu_epilogue_refuses_what_it_cannot_do():
         K.gemm_packed(x, K.gemm_pack_bf16(w), 96, None, torch.zeros(3, 96).bfloat16(), True)
 
 
-@needs_bf16_kernel
-def test_engine_gate_up_linear_returns_the_swiglu(monkeypatch):
-    """The runner's gate|up linear of a SiLU MLP on bf16 panels returns silu(gate) * up (the `_gated` input), the
-    same values as the gate|up product then `silu_mul`; re-packed in place after a weight change."""
-    monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", True)
-    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
+@needs_kernel
+@pytest.mark.parametrize("widen", [False, True])
+def test_engine_gate_up_linear_returns_the_swiglu(monkeypatch, widen):
+    """The runner's gate|up linear of a SiLU MLP (bf16 panels, or float32 panels of widened bf16 as on AVX2 CPUs)
+    returns silu(gate) * up (the `_gated` input), the same values as the gate|up product then `silu_mul`;
+    re-packed in place after a weight change."""
+    if not widen and not K._module.gemm_bf16_kernel_available():
+        pytest.skip("bf16 panels need AVX-512 BF16")
+    monkeypatch.setattr(runner, "ENGINE_GEMM", True)
+    monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", not widen)
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", widen)
     torch.manual_seed(0)
     gate, up = torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(64, 96, bias=False)
     lin = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16, swiglu=True)
     plain = runner._Linear([gate, up], pack=True, batch_hint=8, dtype=torch.bfloat16)
     lin.refresh(), plain.refresh()
-    assert lin.glu and not plain.glu
+    assert lin.glu and not plain.glu and lin.widen == widen and lin.kind == "gemm"
     x = torch.randn(9, 64).bfloat16()
     gu = plain(x)
-    assert torch.equal(lin(x), K.silu_mul(gu[:, :96], gu[:, 96:]))
+    assert lin(x).dtype == torch.bfloat16 and torch.equal(lin(x), K.silu_mul(gu[:, :96], gu[:, 96:]))
     first = lin.w.data_ptr()
     with torch.no_grad():
         up.weight.mul_(2)

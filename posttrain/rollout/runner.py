@@ -128,7 +128,8 @@ class _Linear:
     Packed on CPU, float32: posttrain's own panels (`cpu_kernels.gemm_pack`, csrc/gemm_kernel.cpp) where
     `ops.linear.ENGINE_GEMM` chooses it (x86 without AVX-512: 1.4-2x oneDNN's packed linear at 8-64 rows); bf16
     on CPUs with AVX-512 BF16 and no AMX: bf16 panels for vdpbf16ps (`gemm_pack_bf16`, `ENGINE_GEMM_BF16`;
-    1.15-1.24x oneDNN's packed bf16 linear at 8-64 rows on AMD Zen 4);
+    1.15-1.24x oneDNN's packed bf16 linear at 8-64 rows on AMD Zen 4). On those panels a SiLU MLP's gate|up
+    (`swiglu=True`, bf16 or widened bf16) returns silu(gate) * up from the GEMM's epilogue (`self.glu`);
     else the concatenated weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
     what torch.compile's CPU freezing uses), so no call re-lays it out: at decode shapes (M = 64) bf16/AMX
     matmuls run 1.3-2.7x faster than `x @ W^T`, fp32 ones up to 1.3x. Elsewhere (or if this torch build lacks
@@ -144,7 +145,7 @@ class _Linear:
         self.lora = [arch.is_lora(m) for m in mods]  # LoRA layers: read merged (arch.effective_weight)
         self.w = self.b = None  # the packed copy: posttrain's panels (self.kind "gemm"), oneDNN blocked, or W^T
         self.kind, self.widen = "wt", False
-        # a SiLU-gated MLP's [gate; up]: on bf16 panels the GEMM's epilogue returns silu(gate) * up (`self.glu`)
+        # a SiLU-gated MLP's [gate; up]: on posttrain's panels of bf16 values the epilogue returns silu(gate) * up (`self.glu`)
         self.swiglu, self.glu = swiglu, False
 
     @torch.no_grad()

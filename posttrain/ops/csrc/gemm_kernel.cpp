@@ -17,6 +17,10 @@
 // 32-bit value and vdpbf16ps adds both exact products to each float32 lane: same tiles, half the bytes and steps.
 // Bias and residual are added to the float32 sum, then each output is rounded once to bf16 (nearest even).
 //
+// SwiGLU epilogue (glu): a SiLU MLP's [gate; up] packed with its rows interleaved (each panel: VL gate columns, then
+// the same VL up columns), so a tile holds matching gate and up sums and stores h = silu(gate) * up (M, N/2)
+// with `silu_mul`'s bf16 roundings and exp, bit for bit; the (M, N) gate|up output is never written.
+//
 // Measured (2 threads, SmolLM2-135M's 121 linears in decode order, weights from memory), against oneDNN's packed
 // linear: AMD EPYC Zen 3 (float32): 32 rows 153-164 GFLOP/s against 105-107, 64 rows 175-180 against 123-128 (the
 // 2048³ peak there: ~186); 8 rows 97-104 against 49-58. AMD EPYC Zen 4: float32 64 rows 208 against 195; bf16 64

@@ -29,10 +29,6 @@
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
 #define POSTTRAIN_GROUP_ATTENTION 1
 
-#if defined(__x86_64__) && defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);  // exported by libtorch_cpu: its AVX-512 exp (AVX2's: bf16.h)
-#endif
-
 namespace {
 
 using posttrain_vec::loadv;
@@ -41,7 +37,6 @@ using posttrain_vec::vec;
 constexpr int64_t VL = posttrain_vec::VL;  // lanes per vector: 16 (AVX-512) or 8
 constexpr int64_t KB = VL;                 // keys per block: one vector of scores
 
-using posttrain_bf16::put;
 using posttrain_bf16::to_f;
 
 // x[0..n) <- exp(x - shift); returns their float32 sum (SLEEF's exp, 16 or 8 lanes; the AVX-512 tail masked)

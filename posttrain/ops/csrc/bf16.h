@@ -2,6 +2,7 @@
 // written out (round to nearest even, NaN kept) so the loops vectorize, VL-lane vectors, and on AVX2 the
 // 8-lane exp block over SLEEF's expf (the routine torch's exp runs on x86).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -28,6 +29,8 @@ inline float to_f(uint16_t v) { return bf2f(v); }
 inline float to_f(float v) { return v; }
 inline void put(uint16_t* p, float f) { *p = f2bf(f); }
 inline void put(float* p, float f) { *p = f; }
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }  // a row's tail in torch's vectorized SiLU loop
 
 }  // namespace posttrain_bf16
 
@@ -77,8 +80,34 @@ inline void storev(uint16_t* p, vec x) { store_bf16(p, x); }  // rounded to bf16
 #include <immintrin.h>
 
 extern "C" __m256 Sleef_expf8_u10(__m256);  // exported by libtorch_cpu (its vectorized exp)
+#if defined(__AVX512F__)
+extern "C" __m512 Sleef_expf16_u10(__m512);  // the same with AVX-512
+#endif
 
 namespace posttrain_vec {
+
+// exp on every lane with torch's vectorized exp (SLEEF u10: 16 lanes with AVX-512, 8 with AVX2)
+inline vec vexp(vec x) {
+#if defined(__AVX512F__)
+  return (vec)Sleef_expf16_u10((__m512)x);
+#else
+  return (vec)Sleef_expf8_u10((__m256)x);
+#endif
+}
+
+// torch's bf16 SiLU loop takes 2 x Vectorized<BFloat16> (4 vectors of VL floats) per step while a whole step fits
+// in the row: values before the last whole step take the vector exp, the rest std::exp (posttrain_bf16::silu)
+constexpr int64_t SILU_STEP = 4 * VL;
+
+// silu(x) = x / (1 + exp(-x)) on every lane, -x by its sign bit: torch's vectorized SiLU
+inline vec silu(vec x) {
+  uvec bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits ^= 0x80000000u;
+  vec neg;
+  std::memcpy(&neg, &bits, sizeof neg);
+  return x / (1.f + vexp(neg));
+}
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // 8 bf16 -> 8 float32 (exact)

@@ -121,37 +121,18 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed)
   return out;
 }
 
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp with AVX-512 (exported by libtorch_cpu)
-#endif
-
 namespace {
 
-// silu then product for one row of n values, rounded as torch's bf16 kernels round them. Its vectorized loop
-// takes 2 x Vectorized<BFloat16> per step (64 values with AVX-512, 32 with AVX2) while a whole step fits, the
-// rest one by one with std::exp: the same split here, so every value takes the same exp as in eager.
+// silu then product for one row of n values, rounded as torch's bf16 kernels round them, with the same split
+// between its vector exp and std::exp (posttrain_vec::SILU_STEP), so every value takes the same exp as in eager.
 inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* h, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-  for (const int64_t nv = n / 64 * 64; j < nv; j += 16) {
-    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + j))), 16));
-    const __m512 s = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
-    posttrain_vec::store_bf16(h + j, posttrain_vec::round_bf((posttrain_vec::vec)s) * posttrain_vec::loadv(u + j));
-  }
-#elif defined(__AVX2__)
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (const int64_t nv = n / 32 * 32; j < nv; j += 8) {
-    const __m256 x = posttrain_vec::load8(g + j);
-    const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(x, sign))));
-    posttrain_vec::store_bf16(h + j, posttrain_vec::round_bf((posttrain_vec::vec)s) * posttrain_vec::loadv(u + j));
-  }
+#if defined(__x86_64__) && defined(__AVX2__)
+  namespace v = posttrain_vec;
+  for (const int64_t nv = n / v::SILU_STEP * v::SILU_STEP; j < nv; j += v::VL)
+    v::store_bf16(h + j, v::round_bf(v::silu(v::loadv(g + j))) * v::loadv(u + j));
 #endif
-  for (; j < n; ++j) {
-    const float x = bf2f(g[j]);
-    h[j] = f2bf(round_bf(x / (1.0f + std::exp(-x))) * bf2f(u[j]));
-  }
+  for (; j < n; ++j) h[j] = f2bf(round_bf(posttrain_bf16::silu(bf2f(g[j]))) * bf2f(u[j]));
 }
 
 }  // namespace
@@ -165,7 +146,7 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   auto h = torch::empty({M, I}, g.options());
   const uint16_t *gp = cptr(g), *up = cptr(u);
   uint16_t* hp = mptr(h);
-  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, M, std::max<int64_t>(1, kRowsGrain / std::max<int64_t>(I, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) silu_mul_row(gp + r * lg, up + r * lu, hp + r * I, I);
   });
   return h;

@@ -39,10 +39,6 @@
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#if defined(__AVX512F__)
-extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's Vectorized<float>::exp with AVX-512 (exported by libtorch_cpu)
-#endif
-
 namespace {
 
 #if defined(__AVX512F__)
@@ -85,7 +81,7 @@ struct Tile {
   const T* res;       // residual rows, stride ldc, or null
   const char* pf;     // lines of the next panel to prefetch, or null
   int64_t pf_lines;
-  int64_t glu_exp;    // SwiGLU epilogue (bf16): columns of h below this take the vector exp (-1: no SwiGLU)
+  int64_t glu_exp;    // SwiGLU epilogue: columns of h below this take the vector exp (-1: no SwiGLU)
   int64_t col0;       // the tile's first column of h
 };
 
@@ -121,15 +117,6 @@ inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
 }
 #endif
 
-// exp on every lane with torch's vectorized exp (SLEEF: 16 lanes with AVX-512, 8 with AVX2)
-inline posttrain_vec::vec vexp(posttrain_vec::vec x) {
-#if defined(__AVX512F__)
-  return (posttrain_vec::vec)Sleef_expf16_u10((__m512)x);
-#else
-  return (posttrain_vec::vec)Sleef_expf8_u10((__m256)x);
-#endif
-}
-
 // SwiGLU epilogue of one row: the panel's first vector holds VL gate columns, its second the same VL up columns
 // (`glu_rows` order). h = bf16(float(bf16(silu(g))) * float(u)) with g, u the bf16 roundings of the sums (+ bias):
 // what the engine's gate|up linear (bf16 out) then `silu_mul` compute, bit for bit, including which columns take
@@ -146,16 +133,10 @@ inline void glu_store(const Tile<T>& t, const V (&acc)[NV], int64_t row) {
   }
   g = round_bf(g);
   vec s;
-  if (t.col0 + VL <= t.glu_exp) {
-    posttrain_vec::uvec bits;
-    std::memcpy(&bits, &g, sizeof bits);
-    bits ^= 0x80000000u;  // -g by its sign bit, as silu_mul computes it
-    vec neg;
-    std::memcpy(&neg, &bits, sizeof neg);
-    s = g / (1.f + vexp(neg));
-  } else {
-    for (int l = 0; l < VL; ++l) s[l] = g[l] / (1.0f + std::exp(-g[l]));
-  }
+  if (t.col0 + VL <= t.glu_exp)
+    s = posttrain_vec::silu(g);
+  else
+    for (int l = 0; l < VL; ++l) s[l] = posttrain_bf16::silu(g[l]);
   const vec h = round_bf(s) * round_bf(u);
   if constexpr (std::is_same_v<T, uint16_t>)
     posttrain_vec::store_bf16(t.c + row * t.ldc, h);  // rounded once, to nearest even
@@ -362,7 +343,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   if (M == 0 || N == 0) return out;
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t panel = steps * NR * (bf ? 2 : 1);  // elements per panel
-  const int64_t glu_exp = glu ? N / 2 / (4 * VL) * (4 * VL) : -1;  // torch's bf16 silu loop: steps of 4 vectors
+  const int64_t glu_exp = glu ? N / 2 / posttrain_vec::SILU_STEP * posttrain_vec::SILU_STEP : -1;
   if (bf) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)  // the bf16 micro-kernel exists only there (refused above elsewhere)
     using H = uint16_t;

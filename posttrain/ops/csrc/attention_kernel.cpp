@@ -115,7 +115,10 @@ void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float s
         a[c] = s;
       }
       const vec out = lane_sums(a) * scale;
-      for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
+      if (nb == KB)
+        storev(S + r * lds + c0, out);  // whole blocks in one store (a short copy would compile to rep movs)
+      else
+        for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
     }
   }
 }
@@ -183,11 +186,9 @@ void scores_bf16(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, i
           odd[i] = _mm512_dpbf16_ps(odd[i], (__m512bh)_mm512_set1_epi32(p1), k1);
         }
       }
-      for (int64_t i = 0; i < nr; ++i) {
-        alignas(64) float out[16];
-        _mm512_store_ps(out, _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale)));
-        std::memcpy(S + (r0 + i) * lds + c0, out, nb * sizeof(float));
-      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << nb) - 1u);  // masked stores: no rep movs for a short copy
+      for (int64_t i = 0; i < nr; ++i)
+        _mm512_mask_storeu_ps(S + (r0 + i) * lds + c0, keep, _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), _mm512_set1_ps(scale)));
     }
   }
 }
@@ -211,8 +212,7 @@ void scores_bf16_few(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt ke
           acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qrow[r] + 32 * j), (__m512bh)_mm512_loadu_si512(k[c] + 32 * j));
         a[c] = (vec)acc;
       }
-      const vec out = lane_sums(a) * scale;
-      for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = out[c];
+      _mm512_mask_storeu_ps(S + r * lds + c0, static_cast<__mmask16>((1u << nb) - 1u), (__m512)(lane_sums(a) * scale));
     }
   }
 }
@@ -282,8 +282,33 @@ struct Row {  // a live sample of the task's group
   int64_t m, n, own, p0, j0;  // member, batch row, own keys (incl. the new one), first visible prompt key and own key
 };
 
+// The next task's keys and values (its region up to the newest token), prefetched into the cache in parts while a
+// task runs: the KV of a layer comes from memory at every step (a step streams all weights between two visits).
+struct Prefetch {
+  const char *k = nullptr, *v = nullptr;
+  int64_t bytes = 0, done = 0;
+  void upto(int64_t part, int64_t parts) {  // lines up to part/parts of the region, keys and values
+    const int64_t stop = bytes * part / parts;
+    for (; done < stop; done += 64) {
+      _mm_prefetch(k + done, _MM_HINT_T0);
+      _mm_prefetch(v + done, _MM_HINT_T0);
+    }
+  }
+};
+
+template <typename T>
+Prefetch region(const Job<T>& a, int64_t g, int64_t h) {
+  int64_t end = 0;
+  for (int64_t m = 0; m < a.W; ++m) {
+    const int64_t n = a.member[g * a.W + m];
+    if (n >= 0) end = std::max(end, a.off[n] + 1);
+  }
+  return {reinterpret_cast<const char*>(a.kc + (g * a.KV + h) * a.cap * a.D), reinterpret_cast<const char*>(a.vc + (g * a.KV + h) * a.cap * a.D),
+          end * a.D * static_cast<int64_t>(sizeof(T)), 0};
+}
+
 template <int NV, typename T>
-void task(const Job<T>& a, int64_t g, int64_t h) {
+void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
   const int64_t D = a.D, G = a.G, W = a.W, P = a.prompt[g];
   T* kc = a.kc + (g * a.KV + h) * a.cap * D;
   T* vc = a.vc + (g * a.KV + h) * a.cap * D;
@@ -317,6 +342,10 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
   std::fill(acc.data(), acc.data() + R * D, 0.f);
   auto q_row = [&](int64_t i, int64_t j) { return a.q + rows[i].n * a.q0 + (h * G + j) * a.q1; };  // sample i, head j of h
   auto prompt_key = [&](int64_t c) { return kc + (pmin + c) * D; };
+  // the next task's KV comes in 3S + 2 parts spread over this one (S samples): after the set-up, the prompt scores,
+  // and each sample's own scores, softmax and own values
+  const int64_t S = static_cast<int64_t>(rows.size()), steps = 3 * S + 2;
+  pf.upto(1, steps);
   // scores: the prompt keys every row sees (shared), then each sample's own keys (its G rows)
 #if defined(POSTTRAIN_ATTN_DPBF16)
   if (std::is_same_v<T, uint16_t> && D % 32 == 0) {  // bf16 dot products straight from the bf16 q and keys
@@ -326,10 +355,12 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
     for (size_t i = 0; i < rows.size(); ++i)
       for (int64_t j = 0; j < G; ++j) qrow[i * G + j] = bits(q_row(i, j));
     scores_bf16(qrow.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
+    pf.upto(2, steps);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       scores_bf16_few<NV * VL / 32>(qrow.data() + i * G, G, D, [&](int64_t c) { return bits(kc + (P + (r.j0 + c) * W + r.m) * D); },
                                     r.own - r.j0, a.scale, So.data() + i * G * Lo, Lo);
+      pf.upto(3 + i, steps);
     }
   } else
 #endif
@@ -338,10 +369,12 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
       for (int64_t j = 0; j < G; ++j)
         for (int64_t d = 0; d < D; ++d) Q[(i * G + j) * D + d] = to_f(q_row(i, j)[d]);
     scores<NV, T>(Q.data(), R, D, prompt_key, np, a.scale, Sp.data(), Ls, Kf.data());
+    pf.upto(2, steps);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       scores<NV, T>(Q.data() + i * G * D, G, D, [&](int64_t c) { return kc + (P + (r.j0 + c) * W + r.m) * D; }, r.own - r.j0, a.scale,
                     So.data() + i * G * Lo, Lo, Kf.data());
+      pf.upto(3 + i, steps);
     }
   }
   // softmax of each row over its visible keys: unnormalised weights in place, 1 / their sum in inv
@@ -354,6 +387,7 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
       const float mx = std::max(row_max(sp + skip, npr), row_max(so, nown));
       inv[i * G + j] = 1.f / (exp_sum(sp + skip, npr, mx) + exp_sum(so, nown, mx));
     }
+    pf.upto(S + 3 + i, steps);
   }
   // out = weights @ V: the prompt's values in float32 once, for all rows; each sample's own values for its rows
   for (int64_t c = 0; c < np; ++c)
@@ -371,19 +405,26 @@ void task(const Job<T>& a, int64_t g, int64_t h) {
       const float* x = acc.data() + (i * G + j) * D;
       for (int64_t d = 0; d < D; d += VL) storev(o + d, loadv(x + d) * inv[i * G + j]);  // rounded once to T
     }
+    pf.upto(2 * S + 3 + static_cast<int64_t>(i), steps);
   }
 }
 
 template <typename T>
 void run(const Job<T>& a, int64_t groups) {
   at::parallel_for(0, groups * a.KV, 1, [&](int64_t begin, int64_t end) {
+    Prefetch first, next;
+    if (begin < end) {
+      first = region(a, begin / a.KV, begin % a.KV);
+      first.upto(1, 1);
+    }
     for (int64_t t = begin; t < end; ++t) {
+      next = t + 1 < end ? region(a, (t + 1) / a.KV, (t + 1) % a.KV) : Prefetch{};
       if (a.D == 64)
-        task<64 / VL, T>(a, t / a.KV, t % a.KV);
+        task<64 / VL, T>(a, t / a.KV, t % a.KV, next);
       else if (a.D == 128)
-        task<128 / VL, T>(a, t / a.KV, t % a.KV);
+        task<128 / VL, T>(a, t / a.KV, t % a.KV, next);
       else
-        task<0, T>(a, t / a.KV, t % a.KV);
+        task<0, T>(a, t / a.KV, t % a.KV, next);
     }
   });
 }

@@ -29,6 +29,7 @@ import torch
 
 from posttrain.models.device import synchronize
 from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.ops import cpu_kernels
 from posttrain.ops import linear as ops_linear
 from posttrain.rollout.engine import Engine, EngineConfig
 from posttrain.rollout.runner import _weight
@@ -40,15 +41,31 @@ TOPICS = ["What is 2+2?", "Write a haiku about the sea.", "Explain gravity to a 
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, reps: int = 5, device: str | torch.device = "cpu") -> float:
-    """FLOP/s of the faster of torch's n³ matmul and posttrain's (`ops.linear.matmul`: in bf16 on a CPU without
-    bf16 instructions, or an Intel one without AMX, an fp32 GEMM over the bf16 values): the best this machine
-    multiplies numbers of `dtype` with."""
+    """FLOP/s of the fastest n³ matmul of torch's and posttrain's (`ops.linear.matmul`: in bf16 on a CPU without
+    bf16 instructions, or an Intel one without AMX, an fp32 GEMM over the bf16 values; the engine's packed GEMM,
+    `packed_matmul`): the best this machine multiplies numbers of `dtype` with."""
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     best = float("inf")
-    for mm in (torch.matmul, ops_linear.matmul):
+    for mm in (torch.matmul, ops_linear.matmul, packed_matmul(b)):
+        if mm is None:
+            continue
         mm(a, b)
         best = min(best, *(_timed(lambda mm=mm: mm(a, b), device) for _ in range(reps)))
     return 2 * n**3 / best
+
+
+def packed_matmul(b: torch.Tensor):
+    """(a, b) -> a·b for this b through the engine's packed GEMM (`cpu_kernels.gemm_packed`, b packed once as a weight is): bf16
+    panels on CPUs with AVX-512 BF16, else float32 panels (bf16 values widened, as the engine keeps them where bf16
+    is software); None where the kernel does not run (not an x86 CPU with AVX2, or not float32/bf16)."""
+    w = b.t().contiguous()  # (N, K): the packed GEMM computes a·wᵀ
+    if cpu_kernels.gemm_bf16_runs(w):
+        packed = cpu_kernels.gemm_pack_bf16(w)
+        return lambda a, _b: cpu_kernels.gemm_packed(a, packed, w.shape[0])
+    if cpu_kernels.gemm_runs(w):
+        packed = cpu_kernels.gemm_pack(w)
+        return lambda a, _b: cpu_kernels.gemm_packed(a.float(), packed, w.shape[0])
+    return None
 
 
 def _timed(fn, device: str | torch.device = "cpu") -> float:

@@ -53,6 +53,22 @@ def test_packed_gemm_is_the_matmul(M, N, Kd, bias, residual):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M,N,Kd", SHAPES)
+@pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
+def test_bf16_x_over_float32_panels_rounds_the_float32_result_once(M, N, Kd, bias, residual):
+    """The widened-bf16 path (AVX2 CPUs): bf16 x and residual over float32 panels of bf16 weights give the float32
+    call on their widened values rounded once to bf16 (nearest even), bit for bit."""
+    g = torch.Generator().manual_seed(M * 7 + N + Kd)
+    x, w = torch.randn(M, Kd, generator=g).bfloat16(), torch.randn(N, Kd, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16().float() if bias else None
+    r = torch.randn(M, N, generator=g).bfloat16() if residual else None
+    packed = K.gemm_pack(w)
+    y = K.gemm_packed(x, packed, N, b, r)
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    assert torch.equal(y, K.gemm_packed(x.float(), packed, N, b, None if r is None else r.float()).bfloat16())
+
+
+@needs_kernel
 def test_every_row_is_the_same_whatever_the_batch_and_threads():
     g = torch.Generator().manual_seed(1)
     x, w, b = torch.randn(50, 96, generator=g), torch.randn(70, 96, generator=g), torch.randn(70, generator=g)
@@ -236,6 +252,8 @@ def test_swiglu_epilogue_on_float32_panels_of_bf16_values(M, I, Kd, bias):
     h = K.gemm_packed(x.float(), K.gemm_pack(K.glu_rows(w)), 2 * I, None if b is None else K.glu_rows(b), None, True)
     assert h.dtype == torch.float32 and h.shape == (M, I)
     assert torch.equal(h.bfloat16(), expect) and torch.equal(h, expect.float())
+    hb = K.gemm_packed(x, K.gemm_pack(K.glu_rows(w)), 2 * I, None if b is None else K.glu_rows(b), None, True)
+    assert hb.dtype == torch.bfloat16 and torch.equal(hb, expect)  # bf16 x: the same values, stored as bf16
 
 
 @needs_bf16_kernel

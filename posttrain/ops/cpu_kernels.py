@@ -230,14 +230,16 @@ def gemm_pack_bf16(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.T
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x (M, K) -> x·Wᵀ (+ bias) (+ residual), (M, n), W the (n, K) weight `packed` holds. float32 (`gemm_pack`):
-    each output is a float32 FMA chain over k in order, then + bias, then + residual. bf16 (`gemm_pack_bf16`, x
-    and residual bf16): a float32 sum over the k pairs in order (vdpbf16ps adds a pair's two exact products to
+    each output is a float32 FMA chain over k in order, then + bias, then + residual; with bf16 x and residual
+    (the engine's widened bf16: panels of bf16 values) the same float32 value rounded once to bf16, what the float32
+    call on x.float() then .to(bf16) gives, without those two passes. bf16 (`gemm_pack_bf16`, x and residual bf16):
+    a float32 sum over the k pairs in order (vdpbf16ps adds a pair's two exact products to
     the lane), + bias and + residual in float32, rounded once to bf16. Either way the same values for any M and
     thread count, F.linear's values up to the summation order.
 
     glu (panels of `glu_rows(W)`, W = [gate; up] (2I, K) of bf16 values, bias in the same order, no residual): the
     SwiGLU MLP's h = silu(gate) * up (M, I) from the tile's float32 sums, bit for bit `silu_mul` of the two halves
-    of the product rounded to bf16; float32 panels (the engine's widened bf16) return those bf16 values as float32.
+    of the product rounded to bf16; float32 panels with float32 x return those bf16 values as float32.
     The (M, 2I) gate|up output is never written."""
     return _module.gemm_packed(x.contiguous(), packed, n, bias, residual, glu)
 

@@ -189,7 +189,8 @@ class _Linear:
 
     def __call__(self, x, residual=None):
         """linear(x) (+ residual, fused into the matmul's epilogue where the packed path allows)."""
-        if self.widen:  # bf16 in and out, fp32 GEMM (see refresh; only for a packed copy)
+        if self.widen and self.kind != "gemm":  # bf16 in and out, fp32 GEMM (see refresh; only for a packed copy;
+            # posttrain's panels take the bf16 x and residual and round once themselves)
             return self._matmul(x.float(), None if residual is None else residual.float()).to(torch.bfloat16)
         return self._matmul(x, residual)
 

@@ -16,6 +16,8 @@
 // 64-byte vector is 16 columns × (W[n][2j], W[n][2j+1]); x's pair (x[m][2j], x[m][2j+1]) is broadcast as one
 // 32-bit value and vdpbf16ps adds both exact products to each float32 lane: same tiles, half the bytes and steps.
 // Bias and residual are added to the float32 sum, then each output is rounded once to bf16 (nearest even).
+// Widened bf16 (CPUs without bf16 dot products): float32 panels of bf16 values, bf16 x (widened per call, exactly),
+// residual and y: the float32 kernel's sums, rounded once to bf16 in the epilogue.
 //
 // SwiGLU epilogue (glu): a SiLU MLP's [gate; up] packed with its rows interleaved (each panel: VL gate columns, then
 // the same VL up columns), so a tile holds matching gate and up sums and stores h = silu(gate) * up (M, N/2)
@@ -69,16 +71,17 @@ constexpr bool BF16_KERNEL = false;
 
 // One micro-kernel call. T = float: the float32 kernel (panels of (K, NR) floats, K steps of one k). T = uint16_t
 // (bf16 bits, AVX-512 BF16 only): panels of (K/2, NR) pairs (W[n][2j], W[n][2j+1]), K/2 steps of two k each.
-template <typename T>
+// O: the output and residual element, T's own, or bf16 bits over float32 panels (widened bf16: one rounding).
+template <typename T, typename O = T>
 struct Tile {
   const T* a;       // x rows (R, K), row stride lda
   int64_t lda;
   const T* b;       // the panel: (steps, NR) floats, or (steps, NR, 2) bf16
   int64_t steps;    // k steps: K (float32) or K/2 (bf16 pairs)
-  T* c;             // output rows, stride ldc, `cols` valid columns
+  O* c;             // output rows, stride ldc, `cols` valid columns
   int64_t ldc, cols;
   const float* bias;  // the panel's `cols` bias values (float32), or null
-  const T* res;       // residual rows, stride ldc, or null
+  const O* res;       // residual rows, stride ldc, or null
   const char* pf;     // lines of the next panel to prefetch, or null
   int64_t pf_lines;
   int64_t glu_exp;    // SwiGLU epilogue: columns of h below this take the vector exp (-1: no SwiGLU)
@@ -87,8 +90,8 @@ struct Tile {
 
 // acc[i][j] += x[i, step] ⊗ panel[step, j-th vector], i < R: one k (float32: broadcast x, FMA) or two
 // (bf16: broadcast the pair x[2s], x[2s+1] as one 32-bit value; vdpbf16ps adds both products to each lane)
-template <int R>
-inline void step(const Tile<float>& t, int64_t k, V (&acc)[R][NV]) {
+template <int R, typename O>
+inline void step(const Tile<float, O>& t, int64_t k, V (&acc)[R][NV]) {
   V b[NV];
 #pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) b[j] = vload(t.b + k * NR + j * VL);
@@ -101,8 +104,8 @@ inline void step(const Tile<float>& t, int64_t k, V (&acc)[R][NV]) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-template <int R>
-inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
+template <int R, typename O>
+inline void step(const Tile<uint16_t, O>& t, int64_t s, V (&acc)[R][NV]) {
   __m512bh b[NV];
 #pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(t.b + (s * NR + j * VL) * 2);
@@ -120,10 +123,10 @@ inline void step(const Tile<uint16_t>& t, int64_t s, V (&acc)[R][NV]) {
 // SwiGLU epilogue of one row: the panel's first vector holds VL gate columns, its second the same VL up columns
 // (`glu_rows` order). h = bf16(float(bf16(silu(g))) * float(u)) with g, u the bf16 roundings of the sums (+ bias):
 // what the engine's gate|up linear (bf16 out) then `silu_mul` compute, bit for bit, including which columns take
-// SLEEF's vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop). T = float (the
-// widened-bf16 path: float32 panels of bf16 values) stores those bf16 values as float32.
-template <typename T>
-inline void glu_store(const Tile<T>& t, V gate, V up, int64_t row) {
+// SLEEF's vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop). O = float (the
+// widened-bf16 path with float32 x: float32 panels of bf16 values) stores those bf16 values as float32.
+template <typename T, typename O>
+inline void glu_store(const Tile<T, O>& t, V gate, V up, int64_t row) {
   using posttrain_vec::round_bf;
   using posttrain_vec::vec;
   vec g = (vec)gate, u = (vec)up;
@@ -138,7 +141,7 @@ inline void glu_store(const Tile<T>& t, V gate, V up, int64_t row) {
   else
     for (int l = 0; l < VL; ++l) s[l] = posttrain_bf16::silu(g[l]);
   const vec h = round_bf(s) * round_bf(u);
-  if constexpr (std::is_same_v<T, uint16_t>)
+  if constexpr (std::is_same_v<O, uint16_t>)
     posttrain_vec::store_bf16(t.c + row * t.ldc, h);  // rounded once, to nearest even
   else
     posttrain_vec::storev(t.c + row * t.ldc, round_bf(h));
@@ -146,8 +149,8 @@ inline void glu_store(const Tile<T>& t, V gate, V up, int64_t row) {
 
 // R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
 // `cols` columns; bf16 outputs rounded once, to nearest even), or the SwiGLU epilogue (glu_exp >= 0).
-template <int R, typename T>
-void micro(const Tile<T>& t) {
+template <int R, typename T, typename O>
+void micro(const Tile<T, O>& t) {
   V acc[R][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
@@ -183,8 +186,8 @@ void micro(const Tile<T>& t) {
   }
 }
 
-template <typename T>
-void run_tile(const Tile<T>& t, int64_t rows) {
+template <typename T, typename O>
+void run_tile(const Tile<T, O>& t, int64_t rows) {
   switch (rows) {
     case 6: micro<6>(t); break;
     case 5: micro<5>(t); break;
@@ -195,24 +198,43 @@ void run_tile(const Tile<T>& t, int64_t rows) {
   }
 }
 
+// Rows [m0, m0 + mc) of x (M, K) as the panels' type T: x itself, or bf16 x over float32 panels widened (exactly)
+// into this thread's buffer, once per call and chunk: each thread reads the whole chunk at every panel.
+template <typename T, typename O>
+const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K) {
+  if constexpr (std::is_same_v<T, O>) {
+    return A + m0 * K;
+  } else {
+    thread_local std::vector<float> wide;
+    if (static_cast<int64_t>(wide.size()) < mc * K) wide.resize(mc * K);
+    const O* a = A + m0 * K;
+    float* w = wide.data();
+#pragma omp simd
+    for (int64_t i = 0; i < mc * K; ++i) w[i] = posttrain_bf16::to_f(a[i]);
+    return w;
+  }
+}
+
 // C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
 // per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
-template <typename T>
-void drive(const T* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
-           const float* bp, const T* rp, T* C, int64_t glu_exp = -1) {
+// O: x, residual and C's element (T, or bf16 over float32 panels).
+template <typename T, typename O = T>
+void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
+           const float* bp, const O* rp, O* C, int64_t glu_exp = -1) {
   const int64_t lines = panel * int64_t(sizeof(T)) / 64;
   const bool glu = glu_exp >= 0;  // C is h (M, N/2): panel p gives its columns [p*VL, (p+1)*VL)
   const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
     at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      const T* a = rows_as<T>(A, m0, mc, K);
       for (int64_t p = p0; p < p1; ++p) {
-        Tile<T> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
+        Tile<T, O> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
                   bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
           const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
-          t.a = A + row * K;
+          t.a = a + (row - m0) * K;
           t.c = C + row * ldc + p * width;
           t.res = rp ? rp + row * N + p * NR : nullptr;
           t.pf = next ? next + 64 * first : nullptr;
@@ -316,17 +338,18 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into)
   return out;
 }
 
-// x (M, K), packed from gemm_pack (x float32) or gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None,
-// residual (M, N) or None -> (M, N) in x's dtype
+// x (M, K), packed from gemm_pack (x float32, or bf16: widened exactly, the float32 sum rounded once to bf16) or
+// gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N) in x's dtype
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual, bool glu) {
   const bool bf = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(!glu || (N % NR == 0 && !residual.has_value()),
               "gemm_packed: the SwiGLU epilogue needs panels of glu_rows order, N a multiple of ", NR, ", no residual");
-  const auto dtype = bf ? torch::kBFloat16 : torch::kFloat32;
+  const auto dtype = x.scalar_type();  // of x, the residual and the output
+  const bool wide = !bf && dtype == torch::kBFloat16;  // bf16 x over float32 panels (of widened bf16 values)
   TORCH_CHECK(!bf || BF16_KERNEL, "gemm_packed: bf16 panels need a CPU with AVX-512 BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.device().is_cpu(),
-              "gemm_packed: x (M, K) on the CPU in the panels' dtype (float32, or bf16 for gemm_pack_bf16)");
+  TORCH_CHECK(x.dim() == 2 && (dtype == torch::kBFloat16 || (!bf && dtype == torch::kFloat32)) && x.device().is_cpu(),
+              "gemm_packed: x (M, K) on the CPU, float32 or bf16 over float32 panels, bf16 over gemm_pack_bf16's");
   const int64_t steps = bf ? x.size(1) / 2 : x.size(1);
   TORCH_CHECK(packed.dim() == (bf ? 4 : 3) && packed.size(2) == NR && packed.size(1) == steps &&
               (!bf || (x.size(1) % 2 == 0 && packed.size(3) == 2)) && packed.size(0) * NR >= N &&
@@ -354,6 +377,10 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
           panel, N, bp, r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr,
           reinterpret_cast<H*>(out.data_ptr()), glu_exp);
 #endif
+  } else if (wide) {
+    using H = uint16_t;
+    drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
+          r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr, reinterpret_cast<H*>(out.data_ptr()), glu_exp);
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
           r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), glu_exp);

@@ -26,7 +26,8 @@
 // Measured (2 threads, SmolLM2-135M's 121 linears in decode order, weights from memory), against oneDNN's packed
 // linear: AMD EPYC Zen 3 (float32): 32 rows 153-164 GFLOP/s against 105-107, 64 rows 175-180 against 123-128 (the
 // 2048³ peak there: ~186); 8 rows 97-104 against 49-58. AMD EPYC Zen 4: float32 64 rows 208 against 195; bf16 64
-// rows 410 against 330, 32 rows 366 against 302, 8 rows 175 against 152.
+// rows 410 against 330, 32 rows 366 against 302, 8 rows 175 against 152. AMD EPYC Zen 2 (float32): 64 rows 142
+// against 100, 32 rows 127 against 80, 8 rows 70 against 38 (82 at 64 rows while the epilogue spilled `acc`: see micro).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -412,11 +412,8 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
 template <typename T>
 void run(const Job<T>& a, int64_t groups) {
   at::parallel_for(0, groups * a.KV, 1, [&](int64_t begin, int64_t end) {
-    Prefetch first, next;
-    if (begin < end) {
-      first = region(a, begin / a.KV, begin % a.KV);
-      first.upto(1, 1);
-    }
+    Prefetch next = region(a, begin / a.KV, begin % a.KV);
+    next.upto(1, 1);  // the first task's KV, all of it before it starts (parallel_for's ranges are never empty)
     for (int64_t t = begin; t < end; ++t) {
       next = t + 1 < end ? region(a, (t + 1) / a.KV, (t + 1) % a.KV) : Prefetch{};
       if (a.D == 64)

@@ -231,7 +231,7 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
       const T* a = rows_as<T>(A, m0, mc, K);
       for (int64_t p = p0; p < p1; ++p) {
         Tile<T, O> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
-                  bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
+                     bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
           const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;

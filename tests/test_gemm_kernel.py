@@ -53,6 +53,24 @@ def test_packed_gemm_is_the_matmul(M, N, Kd, bias, residual):
 
 
 @needs_kernel
+@pytest.mark.parametrize("M,N,Kd", SHAPES + [(770, 37, 45), (9, 8, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_transposed_views_give_the_contiguous_calls_values(M, N, Kd, bias):
+    """Training's ∂x = ∂y·W and ∂W = ∂yᵀ·x: W packed from its transposed view (rows of Wᵀ copied) and x given as
+    the transposed view of a contiguous (K, M) tensor (transposed into a buffer a chunk of rows at a time, across
+    the 384-row chunks at M = 770) give the contiguous operands' values bit for bit: the same FMA chains."""
+    g = torch.Generator().manual_seed(M * 31 + N + Kd)
+    xt, wt = torch.randn(Kd, M, generator=g), torch.randn(Kd, N, generator=g)  # x = xtᵀ, W = wtᵀ: strided views
+    b = torch.randn(N, generator=g) if bias else None
+    packed = K.gemm_pack(wt.t())
+    assert torch.equal(packed, K.gemm_pack(wt.t().contiguous()))
+    y = K.gemm_packed(xt.t(), packed, N, b)
+    assert torch.equal(y, K.gemm_packed(xt.t().contiguous(), packed, N, b))
+    x, w = xt.t(), wt.t()
+    assert (((y.double() - _exact(x, w, b, None)).abs()) <= _bound(x, w, b, None)).all()
+
+
+@needs_kernel
 @pytest.mark.parametrize("M,N,Kd", SHAPES)
 @pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
 def test_bf16_x_over_float32_panels_rounds_the_float32_result_once(M, N, Kd, bias, residual):

@@ -1,5 +1,6 @@
-"""ops/linear.py: fp32 CPU linears on oneDNN give F.linear's values and gradients (to summation order), only
-where they apply, and only on machines where the rule picks oneDNN (the kernel tests force it on)."""
+"""ops/linear.py: fp32 CPU linears on oneDNN or posttrain's packed GEMM give F.linear's values and gradients (to
+summation order), only where they apply, and only on machines where the rule picks them (the kernel tests force
+each kernel this machine has on in turn)."""
 
 import copy
 import pickle
@@ -9,15 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from posttrain.ops import cpu_kernels
 from posttrain.ops import linear as L
 
 needs_onednn = pytest.mark.skipif(not L.AVAILABLE, reason="this torch build has no oneDNN (mkldnn) linear")
+KERNELS = ["onednn"] + (["posttrain"] if cpu_kernels.gemm_runs(torch.zeros(1, 1)) else [])
 
 
-@pytest.fixture(autouse=True)
-def onednn_on(monkeypatch):
-    """The kernel's tests run on every machine, whichever kernel the rule picks for training there."""
-    monkeypatch.setattr(L, "ONEDNN", L.AVAILABLE)
+@pytest.fixture(autouse=True, params=KERNELS)
+def fp32_kernel(request, monkeypatch):
+    """The kernels' tests run on every machine, whichever kernel the rule picks for training there: once with
+    oneDNN and once with posttrain's GEMM where it is built (x86-64 with AVX2 and FMA)."""
+    monkeypatch.setattr(L, "FP32_KERNEL", request.param)
+    return request.param
 
 
 def order_bound(x, w, b=None):
@@ -32,13 +37,17 @@ def order_bound(x, w, b=None):
 @needs_onednn
 @pytest.mark.parametrize("shape", [(3, 5, 64), (130, 576), (1, 7)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_values_and_gradients_match_f_linear(shape, bias):
+def test_values_and_gradients_match_f_linear(shape, bias, fp32_kernel):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, requires_grad=True)
     w = torch.randn(48, shape[-1], generator=g, requires_grad=True)
     b = torch.randn(48, generator=g, requires_grad=True) if bias else None
     y, y_ref = L.linear(x, w, b), F.linear(x, w, b)
-    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_LinearBackward"  # the oneDNN path ran
+    assert y.grad_fn is not None and type(y.grad_fn).__name__ == "_LinearBackward"  # the kernel's path ran
+    if fp32_kernel == "posttrain":  # its sums: one FMA chain in k order (the engine's own values)
+        x2, wd = x.detach().reshape(-1, shape[-1]), w.detach()
+        packed = cpu_kernels.gemm_packed(x2, cpu_kernels.gemm_pack(wd), 48, None if b is None else b.detach())
+        assert torch.equal(y.detach().reshape(-1, 48), packed)
     assert ((y - y_ref).abs().double() <= order_bound(x, w, b)).all()
     gy = torch.randn(y.shape, generator=g)
     inputs = (x, w) + ((b,) if bias else ())
@@ -46,7 +55,9 @@ def test_values_and_gradients_match_f_linear(shape, bias):
     # ∂x = ∂y·W, ∂W = ∂yᵀ·x: dot products of 48 and of (rows) terms
     gx_bound = order_bound(gy.reshape(-1, 48), w.t().detach())
     assert ((got[0] - want[0]).abs().reshape(-1, shape[-1]).double() <= gx_bound).all()
-    torch.testing.assert_close(got[1:], want[1:])  # ∂W and ∂b: the same BLAS and reduction as autograd's
+    gw_bound = order_bound(gy.reshape(-1, 48).t(), x.detach().reshape(-1, shape[-1]).t())  # sums over the rows
+    assert ((got[1] - want[1]).abs().double() <= gw_bound).all()
+    torch.testing.assert_close(got[2:], want[2:])  # ∂b: the same reduction as autograd's
 
 
 @needs_onednn
@@ -99,11 +110,11 @@ def test_swapping_classes_keeps_parameters_copies_and_pickles():
 
 
 def test_the_rule_picks_by_vendor_and_obeys_the_switch(monkeypatch):
-    assert L._prefer_onednn("onednn") and not L._prefer_onednn("blas")
-    assert L._prefer_onednn("auto") == (not L._mkl_fast())
+    assert [L._fp32_kernel(c) for c in ("onednn", "blas", "posttrain")] == ["onednn", "blas", "posttrain"]
+    assert L._fp32_kernel("auto") in ("posttrain", "blas" if L._mkl_fast() else "onednn")
     with pytest.raises(ValueError, match="POSTTRAIN_FP32_MATMUL"):
-        L._prefer_onednn("mkl")
-    monkeypatch.setattr(L, "ONEDNN", False)  # the BLAS chosen: the stock op, and no class swap
+        L._fp32_kernel("mkl")
+    monkeypatch.setattr(L, "FP32_KERNEL", "blas")  # the BLAS chosen: the stock op, and no class swap
     monkeypatch.setattr(L, "BF16_VIA_FP32", False)
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8, requires_grad=True)
     assert not L.applies(x, w) and type(L.linear(x, w).grad_fn).__name__ != "_LinearBackward"
@@ -259,17 +270,20 @@ def test_a_trained_weight_is_saved_widened_a_frozen_one_bf16(bf16_via_fp32):
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="the rule chooses between MKL and oneDNN")
-@pytest.mark.parametrize("intel,x86,avx512,onednn", [
-    (True, True, True, False),  # Intel: MKL's own fast paths
-    (False, True, False, False),  # AMD Zen 3 (AVX2 only): MKL's AVX2 kernels beat oneDNN's
-    (False, True, True, True),  # AMD Zen 4 (AVX-512): MKL keeps to AVX2, oneDNN does not
-    (False, False, False, True),  # not x86
+@pytest.mark.parametrize("intel,x86,flags,kernel", [
+    (True, True, {"avx512f", "avx2", "fma"}, "blas"),  # Intel: MKL's own fast paths
+    (True, True, {"avx2", "fma"}, "blas"),
+    (False, True, {"avx2", "fma"}, "posttrain"),  # AMD Zen 2/3 (AVX2 only): posttrain's GEMM beats MKL's AVX2 one
+    (False, True, {"avx"}, "blas"),  # no AVX2/FMA: posttrain's GEMM is not built; MKL
+    (False, True, {"avx512f", "avx2", "fma"}, "onednn"),  # AMD Zen 4 (AVX-512): MKL keeps to AVX2, oneDNN does not
+    (False, False, set(), "onednn"),  # not x86
 ])
-def test_the_fp32_rule_follows_mkls_fast_path(monkeypatch, intel, x86, avx512, onednn):
+def test_the_fp32_rule_follows_mkls_fast_path(monkeypatch, intel, x86, flags, kernel):
     monkeypatch.setattr(L, "_mkl_on_intel", lambda: intel)
+    monkeypatch.setattr(L, "_intel", lambda: intel)
     monkeypatch.setattr(L, "_x86", lambda: x86)
-    monkeypatch.setattr(L, "_cpu_flag", lambda flag: avx512 and flag == "avx512f")
-    assert L._prefer_onednn("auto") == onednn
+    monkeypatch.setattr(L, "_cpu_flag", lambda flag: flag in flags)
+    assert L._fp32_kernel("auto") == kernel
 
 
 def test_the_bf16_rule_reads_amx_and_the_onednn_isa_cap(monkeypatch):

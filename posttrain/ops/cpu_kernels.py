@@ -210,7 +210,8 @@ def gemm_runs(w: torch.Tensor) -> bool:
 def gemm_pack(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """w (N, K), float32 or bf16 (widened exactly) -> float32 panels (⌈N/NR⌉, K, NR) for `gemm_packed`
     (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512), written into `into` (a previous packing of a
-    weight of the same shape) when it fits: a weight sync then re-packs in place. Only where `gemm_runs(w)`."""
+    weight of the same shape) when it fits: a weight sync then re-packs in place. w may be the transposed view
+    of a contiguous (K, N) float32 tensor (copied row by row). Only where `gemm_runs(w)`."""
     return _module.gemm_pack(w.detach(), into)
 
 
@@ -228,7 +229,7 @@ def gemm_pack_bf16(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.T
 
 
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+                residual: torch.Tensor | None = None, glu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) -> x·Wᵀ (+ bias) (+ residual), (M, n), W the (n, K) weight `packed` holds. float32 (`gemm_pack`):
     each output is a float32 FMA chain over k in order, then + bias, then + residual; with bf16 x and residual
     (the engine's widened bf16: panels of bf16 values) the same float32 value rounded once to bf16, what the float32
@@ -240,8 +241,11 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     glu (panels of `glu_rows(W)`, W = [gate; up] (2I, K) of bf16 values, bias in the same order, no residual): the
     SwiGLU MLP's h = silu(gate) * up (M, I) from the tile's float32 sums, bit for bit `silu_mul` of the two halves
     of the product rounded to bf16; float32 panels with float32 x return those bf16 values as float32.
-    The (M, 2I) gate|up output is never written."""
-    return _module.gemm_packed(x.contiguous(), packed, n, bias, residual, glu)
+    The (M, 2I) gate|up output is never written.
+
+    x may be the transposed view of a contiguous (K, M) float32 tensor (training's ∂W = ∂yᵀ·x: transposed into a
+    buffer a chunk of rows at a time, the same values); `out`: a contiguous (M, n) tensor of x's dtype to write."""
+    return _module.gemm_packed(x, packed, n, bias, residual, glu, out)
 
 
 def glu_rows(w: torch.Tensor) -> torch.Tensor:

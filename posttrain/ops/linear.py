@@ -1,5 +1,5 @@
-"""CPU training matmuls on the faster kernel: fp32 ones on oneDNN or the BLAS behind `torch.matmul`, bf16 ones
-natively or as fp32 GEMMs, each chosen by the machine.
+"""CPU training matmuls on the faster kernel: fp32 ones on oneDNN, on posttrain's packed GEMM or on the BLAS behind
+`torch.matmul`, bf16 ones natively or as fp32 GEMMs, each chosen by the machine.
 
 PyTorch sends a float32 CPU matmul to its BLAS (MKL in the x86 wheels) and only bf16/fp16 ones to oneDNN.
 MKL's fast code paths are Intel's own; on other vendors' CPUs it runs its AVX2 kernels. So on an AMD EPYC
@@ -9,21 +9,27 @@ against 150-210. On an AMD EPYC with AVX2 only (Zen 3, 2 threads, 2026-12-04), w
 has, it is the other way round: MKL 179 vs oneDNN 138 at 2048³, MKL 170-185 vs 155-167 at the body's shapes,
 and an SFT step (fp32, 4 rows of 512) took 9.8 s against 12.1 s (steps alternating in one process). On an
 Intel Xeon (2 threads, 2026-12-02) MKL wins too: 180 vs 167 at 2048³, 10-20% at every body shape and 35% at
-the LM head's (473 × 576 · 576 × 49152: 144 vs 106). So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the
-default) is: the BLAS for fp32 linears where it is MKL on its fast path (an Intel CPU, or an x86 CPU without
-AVX-512), else oneDNN; `onednn` or `blas` forces either. Where
-oneDNN is chosen:
+the LM head's (473 × 576 · 576 × 49152: 144 vs 106). posttrain's own GEMM (csrc/gemm_kernel.cpp, the rollout
+engine's) beats MKL on AMD's AVX2 CPUs: on a Zen 2 (2 threads, 2026-12-05) at a GRPO step's shapes (768 rows)
+forward 176-187 GFLOP/s against MKL's 143-149, ∂x 163-183 against 142-153, ∂W 145-159 against 125-146, and
+the LM head's forward 154 against 116 and ∂W 160 against 126. So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the
+default) is: posttrain's GEMM on AMD's x86 CPUs with AVX2 but not AVX-512, the BLAS where it is MKL on its fast
+path (an Intel CPU, or another x86 CPU without AVX-512), else oneDNN; `posttrain`, `onednn` or `blas` forces
+one. Where oneDNN or posttrain's GEMM is chosen:
 
-    y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh)
-    ∂x  = ∂y·W         oneDNN (W passed as the strided view Wᵀ, no copy)
-    ∂W  = ∂yᵀ·x        the BLAS (both operands are activations; oneDNN was no faster there)
+    y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh), or
+                       posttrain's GEMM (W packed per call: ~1% of the GEMM at 768 rows)
+    ∂x  = ∂y·W         either (W passed as the strided view Wᵀ: no copy for oneDNN; panels copied from its rows)
+    ∂W  = ∂yᵀ·x        posttrain's GEMM where chosen (x's panels from its rows, ∂yᵀ transposed in row chunks),
+                       else the BLAS (both operands are activations; oneDNN was no faster there)
     ∂b  = Σ_rows ∂y
 
-Only where it applies: CPU, float32 input and weight, plain tensors (not DTensor or other subclasses), no
-autocast (under bf16 autocast PyTorch already calls oneDNN). Anything else takes `torch.nn.functional.linear`
-and `torch.matmul`, so CUDA, fp64 (gradcheck) and bf16 paths are the stock ones. Both kernels sum in fp32;
-they differ in summation order only (about 1e-6 relative). The rule depends on the machine only, so a run's
-numbers repeat on the same machine.
+posttrain's GEMM sums each output as one FMA chain in k order, so its sums longer than PACKED_MAX_K (the LM
+head's ∂x over the vocabulary) go to the BLAS. Only where it applies: CPU, float32 input and weight, plain
+tensors (not DTensor or other subclasses), no autocast (under bf16 autocast PyTorch already calls oneDNN).
+Anything else takes `torch.nn.functional.linear` and `torch.matmul`, so CUDA, fp64 (gradcheck) and bf16 paths
+are the stock ones. Every kernel sums in fp32; they differ in summation order only (about 1e-6 relative). The
+rule depends on the machine only, so a run's numbers repeat on the same machine.
 
 bf16 matmuls (autocast bf16, or bf16 weights) as fp32 GEMMs where those are faster. A bf16 matmul multiplies
 bf16 operands, sums the products in fp32 and rounds the sum to bf16. The product of two bf16 numbers is exact
@@ -48,7 +54,8 @@ matmuls of at least MIN_ROWS rows: a few rows
 costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
 32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
 bf16 packed weights for the same reason, except where bf16 is software (`WIDEN_PACKED_BF16`: widened once per
-weight change, not per call).
+weight change, not per call). The fp32 GEMMs of this route take the fp32 rule's kernel (posttrain's GEMM on
+AMD's AVX2 CPUs, whose bf16 is software).
 """
 
 from __future__ import annotations
@@ -98,10 +105,19 @@ def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-def _prefer_onednn(choice: str) -> bool:
-    if choice not in ("auto", "onednn", "blas"):
-        raise ValueError(f"POSTTRAIN_FP32_MATMUL must be auto, onednn or blas, not {choice!r}")
-    return choice == "onednn" or (choice == "auto" and not _mkl_fast())
+def _fp32_kernel(choice: str) -> str:
+    """Where fp32 training linears go: "blas" (torch's stock ops), "onednn" or "posttrain" (the packed GEMM of
+    csrc/gemm_kernel.cpp, forward and ∂x; ∂W stays on the BLAS). `auto`: posttrain's GEMM on AMD's AVX2-only CPUs
+    (Zen 2, 2 threads, a GRPO step's shapes, 768 rows: forward 177-189 GFLOP/s against MKL's 140-146, ∂x 169-184
+    against 144-146; the LM head's forward 148 against 110), MKL on Intel and on other x86 CPUs without AVX-512,
+    oneDNN elsewhere (see `_mkl_fast`)."""
+    if choice not in ("auto", "onednn", "blas", "posttrain"):
+        raise ValueError(f"POSTTRAIN_FP32_MATMUL must be auto, onednn, blas or posttrain, not {choice!r}")
+    if choice != "auto":
+        return choice
+    if _x86() and not _intel() and not _cpu_flag("avx512f") and _cpu_flag("avx2") and _cpu_flag("fma"):
+        return "posttrain"
+    return "blas" if _mkl_fast() else "onednn"
 
 
 def _amx_usable() -> bool:
@@ -168,9 +184,13 @@ def _intel() -> bool:
 
 
 AVAILABLE = _usable()  # this torch build has oneDNN's linear
-ONEDNN = AVAILABLE and _prefer_onednn(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 linears go there
+FP32_KERNEL = _fp32_kernel(os.environ.get("POSTTRAIN_FP32_MATMUL", "auto"))  # fp32 training linears: see there
 NATIVE_BF16 = _native_bf16()  # bf16 dot-product instructions (else bf16 matmuls convert in software)
 BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
+# the longest sum (k steps) posttrain's GEMM takes in training: a panel holds NR·K floats (512 KB at 8192 with AVX2,
+# an L2's worth: longer ones stream from L3 at every row tile, and its one FMA chain per output sums them all); the
+# LM head's ∂x (k = vocabulary) goes to the BLAS
+PACKED_MAX_K = 8192
 MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
 # the rollout engine's float32 linears (rollout.runner._Linear) on posttrain's packed GEMM (csrc/gemm_kernel.cpp)
 # instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
@@ -182,8 +202,8 @@ WIDEN_PACKED_BF16 = BF16_VIA_FP32 and not NATIVE_BF16
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether x·Wᵀ goes to oneDNN here (see the module's docstring)."""
-    return (ONEDNN and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+    """Whether x·Wᵀ goes to oneDNN or posttrain's GEMM here (see the module's docstring)."""
+    return (FP32_KERNEL != "blas" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
             and w.device.type == "cpu" and type(x) in _PLAIN and type(w) in _PLAIN and x.numel() > 0
             and not torch.is_autocast_enabled("cpu"))
 
@@ -274,7 +294,8 @@ def _bf16_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
     xb, xr = _FORWARD_INPUT(x)
     wb, wr = _split(w)
     with torch.autocast("cpu", enabled=False):
-        y = F.linear(xr, wr, None if b is None else _split(b)[1])
+        y = _gemm(xr.reshape(-1, xr.shape[-1]), wr, None if b is None else _split(b)[1])
+    y = y.view(*xr.shape[:-1], wr.shape[0])
     return xb, wr if w.requires_grad and w.dtype != torch.bfloat16 else wb, y.to(torch.bfloat16)
 
 
@@ -294,16 +315,37 @@ class _Bf16Linear(torch.autograd.Function):
         xdt, wdt, bdt = ctx.dtypes
         gy2 = gy.reshape(-1, gy.shape[-1]).float()
         with torch.autocast("cpu", enabled=False):
-            gx = _round_to(gy2 @ ws.float(), xdt).view(*xb.shape[:-1], ws.shape[1]) if ctx.needs_input_grad[0] else None
-            gw = _round_to(gy2.t() @ _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1]), wdt) \
+            gx = _round_to(_gemm(gy2, ws.float().t()), xdt).view(*xb.shape[:-1], ws.shape[1]) \
+                if ctx.needs_input_grad[0] else None
+            gw = _round_to(grad_weight(gy2, _SAVED_INPUT(xb)[1].reshape(-1, xb.shape[-1])), wdt) \
                 if ctx.needs_input_grad[1] else None
             gb = _round_to(gy2.sum(0), bdt) if ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
-def _onednn(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 (M, K) · w (N, K)ᵀ (+ b) on oneDNN; w may be a strided view."""
-    return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
+def _gemm(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 (M, K) · w (N, K)ᵀ (+ b), float32, on FP32_KERNEL's GEMM: posttrain's (w packed per call: a transposed
+    view Wᵀ packs by plain row copies), oneDNN (w may be a strided view), or F.linear (the BLAS, or where neither
+    kernel runs here)."""
+    if _packed(w):
+        return cpu_kernels.gemm_packed(x2, cpu_kernels.gemm_pack(w), w.shape[0], b)
+    if FP32_KERNEL == "onednn" and AVAILABLE:
+        return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
+    return F.linear(x2, w, b)
+
+
+def grad_weight(gy2: torch.Tensor, x2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """∂W = ∂yᵀ·x (N, K) for gy2 (M, N), x2 (M, K), float32, written into `out` (contiguous (N, K)) if given:
+    posttrain's GEMM (x's panels copied from its rows, ∂yᵀ transposed a chunk of rows at a time into a buffer)
+    where it is the fp32 kernel, else the BLAS (oneDNN was no faster there)."""
+    if gy2.dtype == x2.dtype == torch.float32 and _packed(x2.t()) and (out is None or out.is_contiguous()):
+        return cpu_kernels.gemm_packed(gy2.t(), cpu_kernels.gemm_pack(x2.t()), x2.shape[1], out=out)
+    return gy2.t() @ x2 if out is None else torch.mm(gy2.t(), x2, out=out)
+
+
+def _packed(w: torch.Tensor) -> bool:
+    """x·wᵀ on posttrain's GEMM: chosen, built, and w (N, K) with K <= PACKED_MAX_K."""
+    return FP32_KERNEL == "posttrain" and w.shape[-1] <= PACKED_MAX_K and cpu_kernels.gemm_runs(w)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -313,9 +355,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x as (M, K), y = x·Wᵀ + b shaped (..., N)) on oneDNN."""
+    """(x as (M, K), y = x·Wᵀ + b shaped (..., N)) on oneDNN or posttrain's GEMM."""
     x2 = x.reshape(-1, x.shape[-1])
-    return x2, _onednn(x2, w, b).view(*x.shape[:-1], w.shape[0])
+    return x2, _gemm(x2, w, b).view(*x.shape[:-1], w.shape[0])
 
 
 class _Linear(torch.autograd.Function):
@@ -332,8 +374,8 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, gy):
         x2, w = ctx.saved_tensors
         gy2 = gy.reshape(-1, gy.shape[-1])
-        gx = _onednn(gy2, w.t()).view(*ctx.lead, w.shape[1]) if ctx.needs_input_grad[0] else None
-        gw = gy2.t() @ x2 if ctx.needs_input_grad[1] else None
+        gx = _gemm(gy2, w.t()).view(*ctx.lead, w.shape[1]) if ctx.needs_input_grad[0] else None
+        gw = grad_weight(gy2, x2) if ctx.needs_input_grad[1] else None
         gb = gy2.sum(0) if ctx.needs_input_grad[2] else None  # False for a None bias
         return gx, gw, gb
 
@@ -362,7 +404,7 @@ def use_onednn_linears(model: torch.nn.Module, enabled: bool = True) -> int:
     """Turn every plain torch.nn.Linear of `model` into `Linear` in place (the class only: the parameters,
     hooks and state dict stay), or with enabled=False every `Linear` back; returns how many changed.
     Turning on is a no-op where neither rule applies (fp32 on MKL, bf16 natively)."""
-    if enabled and not (ONEDNN or BF16_VIA_FP32):
+    if enabled and not (FP32_KERNEL != "blas" or BF16_VIA_FP32):
         return 0
     src, dst = (torch.nn.Linear, Linear) if enabled else (Linear, torch.nn.Linear)
     changed = 0

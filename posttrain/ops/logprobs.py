@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from posttrain.ops import cpu_kernels
-from posttrain.ops.linear import linear, matmul
+from posttrain.ops.linear import grad_weight, linear, matmul
 from posttrain.ops.sampling import trainer_logprobs
 from posttrain.ops.tied import TiedGrad
 
@@ -217,7 +217,7 @@ def _backprop_tile(dz, h_acc, weight, v0: int, v1: int, gh, grad_w, grad_b, firs
         gh += matmul(dz.to(weight.dtype), weight[v0:v1])
     if grad_w is not None:
         if first:
-            torch.mm(dz.t(), h_acc, out=grad_w[v0:v1])
+            grad_weight(dz, h_acc, out=grad_w[v0:v1])
         else:
             grad_w[v0:v1].addmm_(dz.t(), h_acc)
     if grad_b is not None:

@@ -216,37 +216,6 @@ const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K) {
   }
 }
 
-// C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
-// per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
-// O: x, residual and C's element (T, or bf16 over float32 panels).
-template <typename T, typename O = T>
-void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
-           const float* bp, const O* rp, O* C, int64_t glu_exp = -1) {
-  const int64_t lines = panel * int64_t(sizeof(T)) / 64;
-  const bool glu = glu_exp >= 0;  // C is h (M, N/2): panel p gives its columns [p*VL, (p+1)*VL)
-  const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
-  for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      const T* a = rows_as<T>(A, m0, mc, K);
-      for (int64_t p = p0; p < p1; ++p) {
-        Tile<T, O> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
-                     bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
-        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
-        for (int64_t i = 0; i < tiles; ++i) {
-          const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
-          t.a = a + (row - m0) * K;
-          t.c = C + row * ldc + p * width;
-          t.res = rp ? rp + row * N + p * NR : nullptr;
-          t.pf = next ? next + 64 * first : nullptr;
-          t.pf_lines = next ? last - first : 0;
-          run_tile(t, std::min<int64_t>(MR, m0 + mc - row));
-        }
-      }
-    });
-  }
-}
-
 // Eight rows r[0..8) of 8 values each -> out + i*ld holds column i of them (an 8 x 8 transpose in registers).
 inline void transpose8(const __m256 r[8], float* out, int64_t ld) {
   __m256 t[8], u[8];
@@ -264,6 +233,62 @@ inline void transpose8(const __m256 r[8], float* out, int64_t ld) {
   for (int i = 0; i < 4; ++i) {
     _mm256_storeu_ps(out + i * ld, _mm256_permute2f128_ps(u[i], u[4 + i], 0x20));
     _mm256_storeu_ps(out + (i + 4) * ld, _mm256_permute2f128_ps(u[i], u[4 + i], 0x31));
+  }
+}
+
+// Rows [m0, m0 + mc) of A (M, K) given as Aᵀ (K, M) contiguous (training's ∂W = ∂yᵀ·x), written row-major into
+// buf (mc, K) by 8 x 8 register transposes, the threads splitting K: then the chunk is read as any x is.
+void transpose_rows(const float* At, int64_t M, int64_t K, int64_t m0, int64_t mc, float* buf) {
+  const int64_t m8 = mc / 8 * 8;
+  at::parallel_for(0, (K + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t k0 = b0 * 8; k0 < std::min(K, b1 * 8); k0 += 8) {
+      const int64_t kn = std::min<int64_t>(8, K - k0);
+      for (int64_t i0 = 0; i0 < m8 && kn == 8; i0 += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(At + (k0 + j) * M + m0 + i0);
+        transpose8(r, buf + i0 * K + k0, K);
+      }
+      for (int64_t i = kn == 8 ? m8 : 0; i < mc; ++i)
+        for (int64_t k = k0; k < k0 + kn; ++k) buf[i * K + k] = At[k * M + m0 + i];
+    }
+  });
+}
+
+// C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
+// per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
+// O: x, residual and C's element (T, or bf16 over float32 panels). TA: A is given as Aᵀ (K, M) contiguous (float32;
+// each chunk transposed into a buffer first).
+template <bool TA = false, typename T, typename O = T>
+void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
+           const float* bp, const O* rp, O* C, int64_t glu_exp = -1) {
+  const int64_t lines = panel * int64_t(sizeof(T)) / 64;
+  const bool glu = glu_exp >= 0;  // C is h (M, N/2): panel p gives its columns [p*VL, (p+1)*VL)
+  const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
+  std::vector<float> chunk(TA ? std::min(MC, M) * K : 0);
+  for (int64_t m0 = 0; m0 < M; m0 += MC) {
+    const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
+    if constexpr (TA) transpose_rows(A, M, K, m0, mc, chunk.data());
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      const T* a;
+      if constexpr (TA)
+        a = chunk.data();
+      else
+        a = rows_as<T>(A, m0, mc, K);
+      for (int64_t p = p0; p < p1; ++p) {
+        Tile<T, O> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
+                     bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
+        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
+        for (int64_t i = 0; i < tiles; ++i) {
+          const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
+          t.a = a + (row - m0) * K;
+          t.c = C + row * ldc + p * width;
+          t.res = rp ? rp + row * N + p * NR : nullptr;
+          t.pf = next ? next + 64 * first : nullptr;
+          t.pf_lines = next ? last - first : 0;
+          run_tile(t, std::min<int64_t>(MR, m0 + mc - row));
+        }
+      }
+    });
   }
 }
 
@@ -292,6 +317,27 @@ void pack_panels(const T* w, int64_t N, int64_t K, float* out) {
   });
 }
 
+// The same panels from Wᵀ (K, N) contiguous, W given as its transposed view (training's ∂x = ∂y·W): panel p's row k
+// is Wᵀ[k][p*NR, p*NR + NR), a plain copy.
+void pack_panels_t(const float* wt, int64_t N, int64_t K, float* out) {
+  const int64_t P = (N + NR - 1) / NR;
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min<int64_t>(NR, N - p * NR);
+      for (int64_t k = 0; k < K; ++k) {
+        float* o = out + (p * K + k) * NR;
+        std::memcpy(o, wt + k * N + p * NR, cols * sizeof(float));
+        std::fill(o + cols, o + NR, 0.f);
+      }
+    }
+  });
+}
+
+// x is the transposed view of a contiguous (K, M) tensor, and not contiguous itself
+bool transposed(const torch::Tensor& x) {
+  return x.dim() == 2 && x.size(0) > 1 && x.size(1) > 1 && x.stride(0) == 1 && x.stride(1) == x.size(0);
+}
+
 }  // namespace
 
 bool gemm_kernel_available() { return true; }
@@ -314,9 +360,13 @@ torch::Tensor panels(const torch::Tensor& w, const std::vector<int64_t>& shape, 
 // w (N, K) float32 or bf16 (widened exactly) -> (P, K, NR) float32 panels, into `into` when it fits
 torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into) {
   TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "gemm_pack: a 2-d CPU weight");
-  w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   auto out = panels(w, {(N + NR - 1) / NR, K, NR}, torch::kFloat32, into);
+  if (w.scalar_type() == torch::kFloat32 && transposed(w)) {  // w = Wᵀ's view: rows of Wᵀ are the panels' rows
+    pack_panels_t(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+    return out;
+  }
+  w = w.contiguous();
   if (w.scalar_type() == torch::kFloat32) {
     pack_panels(w.data_ptr<float>(), N, K, out.data_ptr<float>());
   } else {
@@ -341,8 +391,9 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into)
 
 // x (M, K), packed from gemm_pack (x float32, or bf16: widened exactly, the float32 sum rounded once to bf16) or
 // gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N) in x's dtype
+// (written into `out_` when given). x may be the transposed view of a contiguous (K, M) float32 tensor.
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
-                          c10::optional<torch::Tensor> residual, bool glu) {
+                          c10::optional<torch::Tensor> residual, bool glu, c10::optional<torch::Tensor> out_) {
   const bool bf = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(!glu || (N % NR == 0 && !residual.has_value()),
               "gemm_packed: the SwiGLU epilogue needs panels of glu_rows order, N a multiple of ", NR, ", no residual");
@@ -355,9 +406,14 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   TORCH_CHECK(packed.dim() == (bf ? 4 : 3) && packed.size(2) == NR && packed.size(1) == steps &&
               (!bf || (x.size(1) % 2 == 0 && packed.size(3) == 2)) && packed.size(0) * NR >= N &&
               (packed.size(0) - 1) * NR < N && packed.is_contiguous(), "gemm_packed: packed weight does not match x or N");
-  x = x.contiguous();
+  const bool ta = dtype == torch::kFloat32 && !glu && !residual.has_value() && transposed(x);  // x = Aᵀ, A (K, M)
+  if (!ta) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  auto out = torch::empty({M, glu ? N / 2 : N}, x.options());
+  const std::vector<int64_t> shape{M, glu ? N / 2 : N};
+  TORCH_CHECK(!out_.has_value() || (out_->sizes() == c10::IntArrayRef(shape) && out_->scalar_type() == dtype &&
+                                    out_->is_contiguous() && out_->device().is_cpu()),
+              "gemm_packed: out must be a contiguous (M, N) CPU tensor of x's dtype");
+  auto out = out_.has_value() ? *out_ : torch::empty(shape, x.options());
   torch::Tensor b, r;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "gemm_packed: bias of ", bias->numel(), " values for ", N, " outputs");
@@ -382,6 +438,9 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
     using H = uint16_t;
     drive(reinterpret_cast<const H*>(x.data_ptr()), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
           r.defined() ? reinterpret_cast<const H*>(r.data_ptr()) : nullptr, reinterpret_cast<H*>(out.data_ptr()), glu_exp);
+  } else if (ta) {
+    drive<true>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
+                static_cast<const float*>(nullptr), out.data_ptr<float>());
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
           r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), glu_exp);
@@ -398,7 +457,8 @@ torch::Tensor gemm_pack_bf16(torch::Tensor, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gemm_pack_bf16 needs an x86-64 CPU with AVX-512 BF16");
 }
 torch::Tensor gemm_pack(torch::Tensor, c10::optional<torch::Tensor>) { TORCH_CHECK(false, "gemm_pack needs an x86-64 CPU with AVX2 and FMA"); }
-torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool) {
+torch::Tensor gemm_packed(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, bool,
+                          c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "gemm_packed needs an x86-64 CPU with AVX2 and FMA");
 }
 

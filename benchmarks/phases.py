@@ -179,7 +179,7 @@ class Allocator:
 
 def measure_peak(dtype: str, threads: int) -> float:
     """FLOP/s of a large matmul in `dtype` at `threads` threads, measured now (best of short trials): the
-    faster of posttrain's kernel (fp32: oneDNN, ops/linear.py) and torch.matmul (fp32: the BLAS)."""
+    faster of posttrain's kernel (fp32: oneDNN or the packed GEMM, ops/linear.py) and torch.matmul (fp32: the BLAS)."""
     from posttrain.plan import cpu
 
     saved = torch.get_num_threads()

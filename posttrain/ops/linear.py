@@ -12,10 +12,10 @@ Intel Xeon (2 threads, 2026-12-02) MKL wins too: 180 vs 167 at 2048³, 10-20% at
 the LM head's (473 × 576 · 576 × 49152: 144 vs 106). posttrain's own GEMM (csrc/gemm_kernel.cpp, the rollout
 engine's) beats MKL on AMD's AVX2 CPUs: on a Zen 2 (2 threads, 2026-12-05) at a GRPO step's shapes (768 rows)
 forward 176-187 GFLOP/s against MKL's 143-149, ∂x 163-183 against 142-153, ∂W 145-159 against 125-146, and
-the LM head's forward 154 against 116 and ∂W 160 against 126. So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the
-default) is: posttrain's GEMM on AMD's x86 CPUs with AVX2 but not AVX-512, the BLAS where it is MKL on its fast
-path (an Intel CPU, or another x86 CPU without AVX-512), else oneDNN; `posttrain`, `onednn` or `blas` forces
-one. Where oneDNN or posttrain's GEMM is chosen:
+the LM head's forward 154 against 116 and ∂W 160 against 126 (on Zen 3 MKL runs those shapes at 170-185, as fast
+as the packed GEMM). So the rule (`POSTTRAIN_FP32_MATMUL=auto`, the default) is: posttrain's GEMM on AMD's
+family-23 CPUs (Zen, Zen 2), the BLAS where it is MKL on its fast path (an Intel CPU, or another x86 CPU without
+AVX-512), else oneDNN; `posttrain`, `onednn` or `blas` forces one. Where oneDNN or posttrain's GEMM is chosen:
 
     y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh), or
                        posttrain's GEMM (W packed per call: ~1% of the GEMM at 768 rows)
@@ -55,7 +55,7 @@ costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8
 32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
 bf16 packed weights for the same reason, except where bf16 is software (`WIDEN_PACKED_BF16`: widened once per
 weight change, not per call). The fp32 GEMMs of this route take the fp32 rule's kernel (posttrain's GEMM on
-AMD's AVX2 CPUs, whose bf16 is software).
+AMD's Zen 2, whose bf16 is software).
 """
 
 from __future__ import annotations
@@ -107,15 +107,16 @@ def _x86() -> bool:
 
 def _fp32_kernel(choice: str) -> str:
     """Where fp32 training linears go: "blas" (torch's stock ops), "onednn" or "posttrain" (the packed GEMM of
-    csrc/gemm_kernel.cpp, forward and ∂x; ∂W stays on the BLAS). `auto`: posttrain's GEMM on AMD's AVX2-only CPUs
-    (Zen 2, 2 threads, a GRPO step's shapes, 768 rows: forward 177-189 GFLOP/s against MKL's 140-146, ∂x 169-184
-    against 144-146; the LM head's forward 148 against 110), MKL on Intel and on other x86 CPUs without AVX-512,
-    oneDNN elsewhere (see `_mkl_fast`)."""
+    csrc/gemm_kernel.cpp: forward, ∂x and ∂W). `auto`: posttrain's GEMM on AMD's family-23 CPUs (Zen, Zen 2: AVX2,
+    no AVX-512), where MKL runs well below its speed elsewhere (Zen 2, 2 threads, a GRPO step's shapes, 768-800
+    rows: forward 176-187 GFLOP/s against MKL's 143-149, ∂x 163-183 against 142-153, ∂W 145-176 against 125-146);
+    MKL on Intel and on other x86 CPUs without AVX-512 (on Zen 3 it ran those shapes at 170-185, as fast as the
+    packed GEMM there: not measured in training); oneDNN elsewhere (see `_mkl_fast`)."""
     if choice not in ("auto", "onednn", "blas", "posttrain"):
         raise ValueError(f"POSTTRAIN_FP32_MATMUL must be auto, onednn, blas or posttrain, not {choice!r}")
     if choice != "auto":
         return choice
-    if _x86() and not _intel() and not _cpu_flag("avx512f") and _cpu_flag("avx2") and _cpu_flag("fma"):
+    if _x86() and not _intel() and _cpuinfo("cpu family").strip() == "23" and _cpu_flag("avx2") and _cpu_flag("fma"):
         return "posttrain"
     return "blas" if _mkl_fast() else "onednn"
 

@@ -23,6 +23,10 @@
 // the same VL up columns), so a tile holds matching gate and up sums and stores h = silu(gate) * up (M, N/2)
 // with `silu_mul`'s bf16 roundings and exp, bit for bit; the (M, N) gate|up output is never written.
 //
+// Training's fp32 linears use it too where ops/linear.py's rule says (AMD Zen 2): y = x·Wᵀ as above, ∂x = ∂y·W with W
+// packed from its transposed view (panel rows are rows of Wᵀ: plain copies), ∂W = ∂yᵀ·x with x packed the same way and
+// ∂yᵀ given as a transposed view (each chunk of MC rows transposed into a buffer by 8 x 8 register transposes).
+//
 // Measured (2 threads, SmolLM2-135M's 121 linears in decode order, weights from memory), against oneDNN's packed
 // linear: AMD EPYC Zen 3 (float32): 32 rows 153-164 GFLOP/s against 105-107, 64 rows 175-180 against 123-128 (the
 // 2048³ peak there: ~186); 8 rows 97-104 against 49-58. AMD EPYC Zen 4: float32 64 rows 208 against 195; bf16 64

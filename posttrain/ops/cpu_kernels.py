@@ -248,6 +248,15 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     return _module.gemm_packed(x, packed, n, bias, residual, glu, out)
 
 
+def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) · w (N, K)ᵀ (+ bias), float32, for a weight that changes between calls (training): `gemm_pack` into
+    this thread's scratch buffer (kept at the largest weight packed so far, outside torch's allocator, as a BLAS
+    keeps its packing buffers), then `gemm_packed`; w and x may be transposed views as there. Only where
+    `gemm_runs(w)`."""
+    return _module.gemm_once(x, w, bias, out)
+
+
 def glu_rows(w: torch.Tensor) -> torch.Tensor:
     """[gate; up] (2I, ...) rows -> the order `gemm_packed(glu=True)` takes: each panel of NR columns holds NR/2 gate
     rows then the same NR/2 up rows (NR = 32 with AVX-512, 16 with AVX2; 2I a multiple of NR). Works for weights

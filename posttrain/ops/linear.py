@@ -325,11 +325,11 @@ class _Bf16Linear(torch.autograd.Function):
 
 
 def _gemm(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x2 (M, K) · w (N, K)ᵀ (+ b), float32, on FP32_KERNEL's GEMM: posttrain's (w packed per call: a transposed
-    view Wᵀ packs by plain row copies), oneDNN (w may be a strided view), or F.linear (the BLAS, or where neither
-    kernel runs here)."""
+    """x2 (M, K) · w (N, K)ᵀ (+ b), float32, on FP32_KERNEL's GEMM: posttrain's (w packed per call into a kept
+    scratch buffer outside torch's allocator, as a BLAS packs: a transposed view Wᵀ packs by plain row copies),
+    oneDNN (w may be a strided view), or F.linear (the BLAS, or where neither kernel runs here)."""
     if _packed(w):
-        return cpu_kernels.gemm_packed(x2, cpu_kernels.gemm_pack(w), w.shape[0], b)
+        return cpu_kernels.gemm_once(x2, w, b)
     if FP32_KERNEL == "onednn" and AVAILABLE:
         return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
     return F.linear(x2, w, b)
@@ -340,7 +340,7 @@ def grad_weight(gy2: torch.Tensor, x2: torch.Tensor, out: torch.Tensor | None = 
     posttrain's GEMM (x's panels copied from its rows, ∂yᵀ transposed a chunk of rows at a time into a buffer)
     where it is the fp32 kernel, else the BLAS (oneDNN was no faster there)."""
     if gy2.dtype == x2.dtype == torch.float32 and _packed(x2.t()) and (out is None or out.is_contiguous()):
-        return cpu_kernels.gemm_packed(gy2.t(), cpu_kernels.gemm_pack(x2.t()), x2.shape[1], out=out)
+        return cpu_kernels.gemm_once(gy2.t(), x2.t(), out=out)
     return gy2.t() @ x2 if out is None else torch.mm(gy2.t(), x2, out=out)
 
 

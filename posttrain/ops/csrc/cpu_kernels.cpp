@@ -176,6 +176,8 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
                           c10::optional<torch::Tensor> residual, bool glu,
                           c10::optional<torch::Tensor> out);
 torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into);
+torch::Tensor gemm_once(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                        c10::optional<torch::Tensor> out);
 bool gemm_kernel_available();
 bool gemm_bf16_kernel_available();
 int64_t gemm_panel_width();
@@ -202,6 +204,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_packed", &gemm_packed, "x (M, K) @ packed weight^T (+ bias) (+ residual) -> (M, N): float32, or bf16 panels and x; "
         "glu: bf16 panels of glu_rows order -> silu(gate) * up (M, N/2); written into `out` if given", py::arg("x"), py::arg("packed"), py::arg("N"),
         py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("glu") = false, py::arg("out") = py::none());
+  m.def("gemm_once", &gemm_once, "x (M, K) @ w (N, K)^T (+ bias), float32, w packed into scratch for this call only "
+        "(w may be the transposed view of a contiguous tensor, x too), into `out` if given", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none(), py::arg("out") = py::none());
   m.def("gemm_pack_bf16", &gemm_pack_bf16, "bf16 weight (N, K), K even -> bf16 panels of pairs (P, K/2, NR, 2) for "
         "gemm_packed (AVX-512 BF16), into `into` if it fits", py::arg("w"), py::arg("into") = py::none());
   m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");

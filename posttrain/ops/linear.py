@@ -18,7 +18,7 @@ family-23 CPUs (Zen, Zen 2), the BLAS where it is MKL on its fast path (an Intel
 AVX-512), else oneDNN; `posttrain`, `onednn` or `blas` forces one. Where oneDNN or posttrain's GEMM is chosen:
 
     y   = x·Wᵀ + b     oneDNN (`torch.ops.mkldnn._linear_pointwise`, W dense: no packed copy to keep fresh), or
-                       posttrain's GEMM (W packed per call: ~1% of the GEMM at 768 rows)
+                       posttrain's GEMM (W packed per call: 2-3% of the GEMM at 768 rows, more with W cold)
     ∂x  = ∂y·W         either (W passed as the strided view Wᵀ: no copy for oneDNN; panels copied from its rows)
     ∂W  = ∂yᵀ·x        posttrain's GEMM where chosen (x's panels from its rows, ∂yᵀ transposed in row chunks),
                        else the BLAS (both operands are activations; oneDNN was no faster there)

@@ -229,7 +229,7 @@ def gemm_pack_bf16(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.T
 
 
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None, glu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """x (M, K) -> x·Wᵀ (+ bias) (+ residual), (M, n), W the (n, K) weight `packed` holds. float32 (`gemm_pack`):
     each output is a float32 FMA chain over k in order, then + bias, then + residual; with bf16 x and residual
     (the engine's widened bf16: panels of bf16 values) the same float32 value rounded once to bf16, what the float32
@@ -244,8 +244,8 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     The (M, 2I) gate|up output is never written.
 
     x may be the transposed view of a contiguous (K, M) float32 tensor (training's ∂W = ∂yᵀ·x: transposed into a
-    buffer a chunk of rows at a time, the same values); `out`: a contiguous (M, n) tensor of x's dtype to write."""
-    return _module.gemm_packed(x, packed, n, bias, residual, glu, out)
+    buffer a chunk of rows at a time, the same values)."""
+    return _module.gemm_packed(x, packed, n, bias, residual, glu)
 
 
 def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -91,10 +91,52 @@ inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
     std::memcpy(h + i, ht, (n - i) * sizeof(float));
   }
 }
+
+// SwiGLU's backward for i < n, 8 at a time (the tail zero-padded, as silu_mul): with e = 1 + exp(-g), sig = 1/e,
+// gu = gh * (g / e) and gg = (gh * u) * sig * (1 + g * (1 - sig)). The `omp simd` loop it replaces compiled
+// exp's clamps to compare + blend too and ran at 1.8 ms for (800, 1536) on AMD Zen 2, 3.8x the forward
+inline void silu_mul_bwd(const float* gh, const float* g, const float* u, float* gg, float* gu, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  auto body = [&](__m256 dy, __m256 x, __m256 uv, __m256& dg, __m256& du) {
+    const __m256 e = _mm256_add_ps(one, exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+    const __m256 sig = _mm256_div_ps(one, e);
+    du = _mm256_mul_ps(dy, _mm256_div_ps(x, e));
+    const __m256 slope = _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, sig)));
+    dg = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(dy, uv), sig), slope);
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 dg, du;
+    body(_mm256_loadu_ps(gh + i), _mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), dg, du);
+    _mm256_storeu_ps(gg + i, dg);
+    _mm256_storeu_ps(gu + i, du);
+  }
+  if (i < n) {
+    alignas(32) float ht[8] = {}, gt[8] = {}, ut[8] = {}, dgt[8], dut[8];
+    std::memcpy(ht, gh + i, (n - i) * sizeof(float));
+    std::memcpy(gt, g + i, (n - i) * sizeof(float));
+    std::memcpy(ut, u + i, (n - i) * sizeof(float));
+    __m256 dg, du;
+    body(_mm256_load_ps(ht), _mm256_load_ps(gt), _mm256_load_ps(ut), dg, du);
+    _mm256_store_ps(dgt, dg);
+    _mm256_store_ps(dut, du);
+    std::memcpy(gg + i, dgt, (n - i) * sizeof(float));
+    std::memcpy(gu + i, dut, (n - i) * sizeof(float));
+  }
+}
 #else
 inline void silu_mul(const float* g, const float* u, float* h, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+}
+
+inline void silu_mul_bwd(const float* gh, const float* g, const float* u, float* gg, float* gu, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i], ex = 1.0f + exp_approx(-x), sig = 1.0f / ex;
+    gu[i] = gh[i] * (x / ex);
+    gg[i] = (gh[i] * u[i]) * sig * (1.0f + x * (1.0f - sig));
+  }
 }
 #endif
 
@@ -141,16 +183,8 @@ std::vector<torch::Tensor> swiglu_bwd(torch::Tensor gh, torch::Tensor g, torch::
   auto gg = torch::empty_like(g), gu = torch::empty_like(u);
   const float *ghp = gh.data_ptr<float>(), *gp = g.data_ptr<float>(), *up = u.data_ptr<float>();
   float *ggp = gg.data_ptr<float>(), *gup = gu.data_ptr<float>();
-  at::parallel_for(0, g.numel(), kGrain, [&](int64_t b, int64_t e) {
-#pragma omp simd
-    for (int64_t i = b; i < e; ++i) {
-      const float x = gp[i], dy = ghp[i];
-      const float ex = 1.0f + exp_approx(-x);
-      const float sig = 1.0f / ex;
-      gup[i] = dy * (x / ex);
-      ggp[i] = (dy * up[i]) * sig * (1.0f + x * (1.0f - sig));
-    }
-  });
+  at::parallel_for(0, g.numel(), kGrain,
+                   [&](int64_t b, int64_t e) { silu_mul_bwd(ghp + b, gp + b, up + b, ggp + b, gup + b, e - b); });
   return {gg, gu};
 }
 

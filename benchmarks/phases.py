@@ -102,7 +102,8 @@ class PhaseClock:
     def hook_torch(self) -> None:
         """Backward and optimizer steps of both sides (torch's own entry points and global hooks)."""
         self.wrap(torch.autograd, "backward", "backward")
-        self.wrap(torch.nn.utils, "clip_grad_norm_", "optimizer")
+        for clip in ("clip_grad_norm_", "get_total_norm", "clip_grads_with_norm_"):  # posttrain's optim calls the last two
+            self.wrap(torch.nn.utils, clip, "optimizer")
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         pre = register_optimizer_step_pre_hook(lambda *a: self._enter("optimizer"))
@@ -212,11 +213,21 @@ def table(clock: PhaseClock, sides: list[str], peak: float) -> str:
             cells.append(f"{sec / n:18.3f}" + (f"{rate / 1e9:9.1f}{100 * rate / peak:6.0f}%" if rate else f"{'—':>9s}{'':>7s}"))
         lines.append(f"{p:20s}" + "".join(cells))
     lines.append(f"{'total':20s}" + "".join(f"{totals[s]:18.3f}{'':16s}" for s in sides))
+    floors = {s: floor(clock, s, peak) for s in sides}
+    lines.append(f"{'its FLOPs at peak':20s}" + "".join(
+        f"{floors[s]:18.3f}{100 * floors[s] / totals[s] if totals[s] else 0:15.0f}%" for s in sides))
+    lines.append("(the last row: the counted FLOPs of each side's step at the peak rate, a floor for that side's work, "
+                 "and that floor as a share of its step)")
     return "\n".join(lines)
 
 
+def floor(clock: PhaseClock, side: str, peak: float) -> float:
+    """Seconds per step that `side`'s counted FLOPs take at the peak rate: its step's arithmetic floor."""
+    return sum(clock.flops[side].values()) / max(clock.steps[side], 1) / peak
+
+
 def as_json(clock: PhaseClock, sides: list[str], peak: float) -> dict:
-    out = {"peak_flops": peak}
+    out = {"peak_flops": peak, "floor_s_per_step": {s: floor(clock, s, peak) for s in sides}}
     for s in sides:
         n = max(clock.steps[s], 1)
         out[s] = {p: {"s_per_step": sec / n, "flops_per_s": (clock.flops[s].get(p, 0.0) / sec) if sec > 0 else None}

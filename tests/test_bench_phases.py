@@ -1,0 +1,27 @@
+"""benchmarks/phases.py: the per-phase table's arithmetic floor row (counted FLOPs at the peak rate)."""
+
+from phases import PhaseClock, as_json, floor, table
+
+
+def _clock() -> PhaseClock:
+    clock = PhaseClock()
+    for side, (fwd_s, fwd_flops, opt_s) in {"a": (2.0, 300e9, 0.5), "b": (1.0, 100e9, 0.25)}.items():
+        clock.steps[side] = 2
+        clock.seconds[side]["forward"] = 2 * fwd_s
+        clock.flops[side]["forward"] = 2 * fwd_flops
+        clock.seconds[side]["optimizer"] = 2 * opt_s  # no FLOP model: seconds only
+    return clock
+
+
+def test_floor_is_the_counted_flops_per_step_at_peak():
+    clock = _clock()
+    assert floor(clock, "a", 100e9) == 3.0 and floor(clock, "b", 100e9) == 1.0
+    assert as_json(clock, ["a", "b"], 100e9)["floor_s_per_step"] == {"a": 3.0, "b": 1.0}
+
+
+def test_table_ends_with_the_floor_and_its_share_of_the_step():
+    text = table(_clock(), ["a", "b"], 100e9).splitlines()
+    total = next(line for line in text if line.startswith("total")).split()
+    assert total[1:] == ["2.500", "1.250"]
+    row = next(line for line in text if line.startswith("its FLOPs at peak")).split()
+    assert row[-4:] == ["3.000", "120%", "1.000", "80%"]  # a counted more than its peak allows: shown, not hidden

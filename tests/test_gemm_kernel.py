@@ -72,6 +72,22 @@ def test_transposed_views_give_the_contiguous_calls_values(M, N, Kd, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("M,N,Kd", SHAPES)
+def test_rows_with_a_stride_are_read_in_place_with_the_contiguous_values(M, N, Kd):
+    """x as a slice of columns of a wider tensor (row stride > K: the LM head's ∂x by k slices) gives the contiguous
+    copy's values bit for bit, with a bias and a residual too (the same FMA chains)."""
+    g = torch.Generator().manual_seed(M * 13 + N + Kd)
+    wide = torch.randn(M, Kd + 11, generator=g)
+    x, w = wide[:, 5 : 5 + Kd], torch.randn(N, Kd, generator=g)
+    b, r = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    packed = K.gemm_pack(w)
+    assert x.stride() == (Kd + 11, 1)
+    assert torch.equal(K.gemm_packed(x, packed, N), K.gemm_packed(x.contiguous(), packed, N))
+    assert torch.equal(K.gemm_packed(x, packed, N, b, r), K.gemm_packed(x.contiguous(), packed, N, b, r))
+    assert torch.equal(K.gemm_once(x, w, b), K.gemm_packed(x.contiguous(), packed, N, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("M,N,Kd", SHAPES)
 @pytest.mark.parametrize("bias,residual", [(False, False), (True, True)])
 def test_bf16_x_over_float32_panels_rounds_the_float32_result_once(M, N, Kd, bias, residual):
     """The widened-bf16 path (AVX2 CPUs): bf16 x and residual over float32 panels of bf16 weights give the float32

@@ -60,6 +60,29 @@ def test_values_and_gradients_match_f_linear(shape, bias, fp32_kernel):
     torch.testing.assert_close(got[2:], want[2:])  # ∂b: the same reduction as autograd's
 
 
+@pytest.mark.parametrize("K", [40, 37])
+def test_sums_longer_than_the_packed_limit_run_in_slices(K, fp32_kernel, monkeypatch):
+    """k beyond PACKED_MAX_K (the LM head's ∂x over the vocabulary; limits shrunk here): posttrain's GEMM over k
+    slices of at most LONG_SLICE (x's slices read in place), partials added in slice order; values to summation
+    order, and the input gradient through the same route."""
+    monkeypatch.setattr(L, "PACKED_MAX_K", 16)
+    monkeypatch.setattr(L, "LONG_SLICE", 12)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(9, K, generator=g, requires_grad=True)
+    w = torch.randn(7, K, generator=g, requires_grad=True)
+    b = torch.randn(7, generator=g)
+    y = L.linear(x, w, b)
+    assert ((y - F.linear(x, w, b)).abs().double() <= order_bound(x, w, b)).all()
+    if fp32_kernel == "posttrain":  # four slices of 9-10 k steps (ceil(K / 12)), added left to right
+        cuts = [K * i // 4 for i in range(5)]
+        parts = [cpu_kernels.gemm_once(x.detach()[:, a:c].contiguous(), w.detach()[:, a:c].contiguous(), b if a == 0 else None)
+                 for a, c in zip(cuts, cuts[1:])]
+        assert torch.equal(y.detach(), parts[0] + parts[1] + parts[2] + parts[3])
+    gy = torch.randn(9, 7, generator=g)
+    gx, gx_ref = torch.autograd.grad(y, x, gy)[0], gy @ w.detach()
+    assert ((gx - gx_ref).abs().double() <= order_bound(gy, w.t().detach())).all()
+
+
 @needs_onednn
 def test_matmul_helpers_are_differentiable_and_exact_to_order():
     g = torch.Generator().manual_seed(1)

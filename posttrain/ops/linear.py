@@ -25,8 +25,9 @@ AVX-512), else oneDNN; `posttrain`, `onednn` or `blas` forces one. Where oneDNN 
     ∂b  = Σ_rows ∂y
 
 posttrain's GEMM sums each output as one FMA chain in k order, so its sums longer than PACKED_MAX_K (the LM
-head's ∂x over the vocabulary) go to the BLAS. Only where it applies: CPU, float32 input and weight, plain
-tensors (not DTensor or other subclasses), no autocast (under bf16 autocast PyTorch already calls oneDNN).
+head's ∂x over the vocabulary) run as slices of LONG_SLICE k steps whose partial products are added. Only where
+it applies: CPU, float32 input and weight, plain tensors (not DTensor or other subclasses), no autocast (under bf16
+autocast PyTorch already calls oneDNN).
 Anything else takes `torch.nn.functional.linear` and `torch.matmul`, so CUDA, fp64 (gradcheck) and bf16 paths
 are the stock ones. Every kernel sums in fp32; they differ in summation order only (about 1e-6 relative). The
 rule depends on the machine only, so a run's numbers repeat on the same machine.
@@ -190,8 +191,11 @@ NATIVE_BF16 = _native_bf16()  # bf16 dot-product instructions (else bf16 matmuls
 BF16_VIA_FP32 = _prefer_fp32_for_bf16(os.environ.get("POSTTRAIN_BF16_MATMUL", "auto"))  # bf16 matmuls as fp32 GEMMs
 # the longest sum (k steps) posttrain's GEMM takes in training: a panel holds NR·K floats (512 KB at 8192 with AVX2,
 # an L2's worth: longer ones stream from L3 at every row tile, and its one FMA chain per output sums them all); the
-# LM head's ∂x (k = vocabulary) goes to the BLAS
+# LM head's ∂x (k = vocabulary) runs in slices (LONG_SLICE), ∂W over more tokens than this on the BLAS
 PACKED_MAX_K = 8192
+# longer sums (the LM head's ∂x over the vocabulary) on posttrain's GEMM as slices of at most this many k steps, added
+# (`_gemm_long`): a 256 KB panel leaves half of the L2 to the rows (Zen 2: 172-176 GFLOP/s; slices of 8192: 151-169)
+LONG_SLICE = 4096
 MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
 # the rollout engine's float32 linears (rollout.runner._Linear) on posttrain's packed GEMM (csrc/gemm_kernel.cpp)
 # instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
@@ -330,6 +334,8 @@ def _gemm(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     oneDNN (w may be a strided view), or F.linear (the BLAS, or where neither kernel runs here)."""
     if _packed(w):
         return cpu_kernels.gemm_once(x2, w, b)
+    if _long_packed(w):
+        return _gemm_long(x2, w, b)
     if FP32_KERNEL == "onednn" and AVAILABLE:
         return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
     return F.linear(x2, w, b)
@@ -347,6 +353,25 @@ def grad_weight(gy2: torch.Tensor, x2: torch.Tensor, out: torch.Tensor | None = 
 def _packed(w: torch.Tensor) -> bool:
     """x·wᵀ on posttrain's GEMM: chosen, built, and w (N, K) with K <= PACKED_MAX_K."""
     return FP32_KERNEL == "posttrain" and w.shape[-1] <= PACKED_MAX_K and cpu_kernels.gemm_runs(w)
+
+
+def _long_packed(w: torch.Tensor) -> bool:
+    """x·wᵀ with K > PACKED_MAX_K on posttrain's GEMM in slices of k (`_gemm_long`): chosen and built."""
+    return FP32_KERNEL == "posttrain" and w.shape[-1] > PACKED_MAX_K and cpu_kernels.gemm_runs(w)
+
+
+def _gemm_long(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x2 (M, K) · w (N, K)ᵀ (+ b) for K > PACKED_MAX_K (the LM head's ∂x, k over the vocabulary) as a sum of
+    packed GEMMs over k slices of at most LONG_SLICE, each one FMA chain: y = Σ_s x[:, s]·w[:, s]ᵀ, the partial
+    products added in slice order; x's slices are read in place (rows with a stride). On AMD Zen 2 (2 threads) at
+    the LM head's (600 | 1024) × 49152 · 49152 × 576: 172-176 GFLOP/s, MKL's sgemm 148-152."""
+    K = w.shape[-1]
+    slices = -(-K // LONG_SLICE)
+    bounds = [K * i // slices for i in range(slices + 1)]
+    y = cpu_kernels.gemm_once(x2[:, : bounds[1]], w[:, : bounds[1]], b)
+    for k0, k1 in zip(bounds[1:-1], bounds[2:]):
+        y += cpu_kernels.gemm_once(x2[:, k0:k1], w[:, k0:k1])
+    return y
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -206,9 +206,9 @@ void run_tile(const Tile<T, O>& t, int64_t rows) {
 // Rows [m0, m0 + mc) of x (M, K) as the panels' type T: x itself, or bf16 x over float32 panels widened (exactly)
 // into this thread's buffer, once per call and chunk: each thread reads the whole chunk at every panel.
 template <typename T, typename O>
-const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K) {
+const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K, int64_t lda) {
   if constexpr (std::is_same_v<T, O>) {
-    return A + m0 * K;
+    return A + m0 * lda;
   } else {
     thread_local std::vector<float> wide;
     if (static_cast<int64_t>(wide.size()) < mc * K) wide.resize(mc * K);
@@ -261,10 +261,11 @@ void transpose_rows(const float* At, int64_t M, int64_t K, int64_t m0, int64_t m
 // C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
 // per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
 // O: x, residual and C's element (T, or bf16 over float32 panels). TA: A is given as Aᵀ (K, M) contiguous (float32;
-// each chunk transposed into a buffer first).
+// each chunk transposed into a buffer first). lda: A's row stride where it is read in place (O = T, not TA), else K.
 template <bool TA = false, typename T, typename O = T>
 void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t steps, int64_t panel, int64_t N,
-           const float* bp, const O* rp, O* C, int64_t glu_exp = -1) {
+           const float* bp, const O* rp, O* C, int64_t glu_exp = -1, int64_t lda = 0) {
+  const int64_t ld = (std::is_same_v<T, O> && !TA && lda > 0) ? lda : K;  // x's row stride as the tiles read it
   const int64_t lines = panel * int64_t(sizeof(T)) / 64;
   const bool glu = glu_exp >= 0;  // C is h (M, N/2): panel p gives its columns [p*VL, (p+1)*VL)
   const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
@@ -277,14 +278,14 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
       if constexpr (TA)
         a = chunk.data();
       else
-        a = rows_as<T>(A, m0, mc, K);
+        a = rows_as<T>(A, m0, mc, K, ld);
       for (int64_t p = p0; p < p1; ++p) {
-        Tile<T, O> t{nullptr, K, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
+        Tile<T, O> t{nullptr, ld, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
                      bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
           const int64_t row = m0 + i * MR, first = lines * i / tiles, last = lines * (i + 1) / tiles;
-          t.a = a + (row - m0) * K;
+          t.a = a + (row - m0) * ld;
           t.c = C + row * ldc + p * width;
           t.res = rp ? rp + row * N + p * NR : nullptr;
           t.pf = next ? next + 64 * first : nullptr;
@@ -395,7 +396,8 @@ torch::Tensor gemm_pack_bf16(torch::Tensor w, c10::optional<torch::Tensor> into)
 
 // x (M, K), packed from gemm_pack (x float32, or bf16: widened exactly, the float32 sum rounded once to bf16) or
 // gemm_pack_bf16 (x bf16) of an (N, K) weight, bias (N,) or None, residual (M, N) or None -> (M, N) in x's dtype
-// (written into `out_` when given). x may be the transposed view of a contiguous (K, M) float32 tensor.
+// (written into `out_` when given). A float32 x may be the transposed view of a contiguous (K, M) tensor, or rows with
+// a stride (read in place).
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual, bool glu, c10::optional<torch::Tensor> out_) {
   const bool bf = packed.scalar_type() == torch::kBFloat16;
@@ -411,7 +413,9 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
               (!bf || (x.size(1) % 2 == 0 && packed.size(3) == 2)) && packed.size(0) * NR >= N &&
               (packed.size(0) - 1) * NR < N && packed.is_contiguous(), "gemm_packed: packed weight does not match x or N");
   const bool ta = dtype == torch::kFloat32 && !glu && !residual.has_value() && transposed(x);  // x = Aᵀ, A (K, M)
-  if (!ta) x = x.contiguous();
+  // float32 rows with a stride (a slice of columns of a wider tensor: the LM head's ∂x by k slices) read in place
+  const bool strided = !ta && !bf && dtype == torch::kFloat32 && x.stride(1) == 1 && x.stride(0) >= x.size(1);
+  if (!ta && !strided) x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
   const std::vector<int64_t> shape{M, glu ? N / 2 : N};
   TORCH_CHECK(!out_.has_value() || (out_->sizes() == c10::IntArrayRef(shape) && out_->scalar_type() == dtype &&
@@ -447,7 +451,7 @@ torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
                 static_cast<const float*>(nullptr), out.data_ptr<float>());
   } else {
     drive(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, steps, panel, N, bp,
-          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), glu_exp);
+          r.defined() ? r.data_ptr<float>() : nullptr, out.data_ptr<float>(), glu_exp, strided ? x.stride(0) : K);
   }
   return out;
 }

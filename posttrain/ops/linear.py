@@ -332,10 +332,8 @@ def _gemm(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     """x2 (M, K) · w (N, K)ᵀ (+ b), float32, on FP32_KERNEL's GEMM: posttrain's (w packed per call into a kept
     scratch buffer outside torch's allocator, as a BLAS packs: a transposed view Wᵀ packs by plain row copies),
     oneDNN (w may be a strided view), or F.linear (the BLAS, or where neither kernel runs here)."""
-    if _packed(w):
-        return cpu_kernels.gemm_once(x2, w, b)
-    if _long_packed(w):
-        return _gemm_long(x2, w, b)
+    if _posttrain(w):  # sums longer than PACKED_MAX_K in slices
+        return cpu_kernels.gemm_once(x2, w, b) if w.shape[-1] <= PACKED_MAX_K else _gemm_long(x2, w, b)
     if FP32_KERNEL == "onednn" and AVAILABLE:
         return _POINTWISE(x2.contiguous(), w, b, "none", [], "")
     return F.linear(x2, w, b)
@@ -350,14 +348,14 @@ def grad_weight(gy2: torch.Tensor, x2: torch.Tensor, out: torch.Tensor | None = 
     return gy2.t() @ x2 if out is None else torch.mm(gy2.t(), x2, out=out)
 
 
+def _posttrain(w: torch.Tensor) -> bool:
+    """x·wᵀ on posttrain's GEMM: chosen and built here."""
+    return FP32_KERNEL == "posttrain" and cpu_kernels.gemm_runs(w)
+
+
 def _packed(w: torch.Tensor) -> bool:
-    """x·wᵀ on posttrain's GEMM: chosen, built, and w (N, K) with K <= PACKED_MAX_K."""
-    return FP32_KERNEL == "posttrain" and w.shape[-1] <= PACKED_MAX_K and cpu_kernels.gemm_runs(w)
-
-
-def _long_packed(w: torch.Tensor) -> bool:
-    """x·wᵀ with K > PACKED_MAX_K on posttrain's GEMM in slices of k (`_gemm_long`): chosen and built."""
-    return FP32_KERNEL == "posttrain" and w.shape[-1] > PACKED_MAX_K and cpu_kernels.gemm_runs(w)
+    """x·wᵀ in one call of posttrain's GEMM: `_posttrain` and w (N, K) with K <= PACKED_MAX_K."""
+    return w.shape[-1] <= PACKED_MAX_K and _posttrain(w)
 
 
 def _gemm_long(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -11,7 +11,10 @@ num_iterations=1), PPO clip 0.2, group-std advantages, per-sequence token-mean l
 sequences (posttrain grpo = seq_mean_token_mean; TRL loss_type="grpo" with the whole step in one
 micro-batch), no activation checkpointing, --precision bf16 (default: autocast bf16, fp32 weights;
 posttrain mixed_precision=bf16, TRL bf16=True) or fp32. Both sides see the same prompts in the same
-order: TRL's dataset is posttrain's prompt order (its EpochSampler), unshuffled.
+order: TRL's dataset is posttrain's prompt order (its EpochSampler), unshuffled. posttrain runs with its default
+zero_advantage=forward: a group whose rewards are all equal (advantages exactly 0, no gradient at beta 0) gets a
+no-grad forward for its metrics and no backward; the update and the metrics are those of backwarding it
+(tests/test_rl_zero_advantage.py). TRL backwards every group; --zero-advantage train makes posttrain do the same.
 --trl-defaults keeps TRL's own GRPOConfig defaults for everything but the task (model, data, reward,
 batch shape, generation limit and sampling, lr and its schedule, steps, seed); the changes are printed.
 
@@ -66,6 +69,7 @@ def posttrain_config(args, out_dir: str):
                   "weight_decay": 0.0, "max_grad_norm": 1.0},
         "samples_per_log": 0, "progress": False,
         **({"engine": {"dtype": args.engine_dtype}} if args.engine_dtype else {}),
+        "zero_advantage": getattr(args, "zero_advantage", "forward"),
     })
 
 
@@ -113,6 +117,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-dtype", default=None, choices=["float32", "bfloat16"],
                    help="posttrain's sampler precision (default: the run's, bf16 under --precision bf16)")
+    p.add_argument("--zero-advantage", default="forward", choices=["forward", "skip", "train"],
+                   help="posttrain's zero_advantage (default: its own default, forward = no backward for groups whose "
+                        "advantages are all 0; train = backward every group, as TRL does)")
     p.add_argument("--out", default="benchmarks/results/grpo_vs_trl.json")
     p.add_argument("--model", default=MODEL, help="both sides (tiny-random: a smoke test of the benchmark itself)")
     p.add_argument("--profile", default=None, metavar="DIR", help="torch profiler traces of the last warm-up step of each side (needs --warmup >= 1)")
@@ -234,8 +241,11 @@ def main() -> None:
         "same_prompts": trl_prompts[: args.steps] == expected,
         "trl_defaults_changed": {k: {"trl_default": d, "matched": v} for k, (d, v) in changed.items()},
     }
-    for side in ("trl", "posttrain"):  # backward: twice the training forward (grads of inputs and of weights)
-        clock.flops[side]["backward"] = 2 * clock.flops[side].get("forward", 0.0)
+    # backward: twice the training forwards that had one (grads of inputs and of weights); posttrain's no-grad
+    # forwards of zero-advantage groups (zero_advantage=forward) have none
+    clock.flops["trl"]["backward"] = 2 * clock.flops["trl"].get("forward", 0.0)
+    clock.flops["posttrain"]["backward"] = 2 * clock.flops["posttrain"].get("forward with grad", 0.0)
+    clock.flops["posttrain"].pop("forward with grad", None)
     print("\n" + table(clock, ["trl", "posttrain"], peak))
     results["phases"] = as_json(clock, ["trl", "posttrain"], peak)
     speedup = results["trl"]["median_s"] / results["posttrain"]["median_s"]
@@ -268,7 +278,10 @@ def instrument(clock: PhaseClock, run, trainer) -> None:
         return flops_forward(n_body, vh, sum(map(len, prompts)) + generated, generated)
 
     def pt_forward(a, k, out):  # one packed row (shared prompt), logits only at the loss tokens
-        return flops_forward(n_body, vh, a[1].input_ids.numel(), a[1].targets.numel())
+        flops = flops_forward(n_body, vh, a[1].input_ids.numel(), a[1].targets.numel())
+        if torch.is_grad_enabled():  # a forward the backward will follow (not a zero-advantage group's)
+            clock.add_flops("forward with grad", flops)
+        return flops
 
     clock.hook_torch()
     clock.wrap(ph, "generate", "generate", pt_generate)

@@ -121,6 +121,21 @@ def make_batches(trajs: list[Trajectory], pad_id: int, token_budget: int, pad_to
     return out
 
 
+def split_inert(b: RLBatch, pad_id: int, pad_to_multiple_of: int = 64) -> tuple[RLBatch | None, RLBatch | None]:
+    """(live, inert): b's groups apart by whether any sample carries loss with a nonzero advantage, as the loss sees
+    it (`valid`, float32 `advantages`). Under a loss linear in A an inert group adds exactly 0 to the gradient.
+    Each side is rebuilt as its own packed row (groups in b's order); b itself, and None, when nothing splits."""
+    live_sample = (b.valid & (b.advantages != 0)).tolist()
+    live, inert, i = [], [], 0
+    for g in _groups(b.trajectories):  # b.trajectories lists the samples group by group (`_build`)
+        (live if any(live_sample[i:i + len(g)]) else inert).append(g)
+        i += len(g)
+    if not inert or not live:
+        return (b, None) if live else (None, b)
+    device = b.input_ids.device
+    return _build(live, pad_id, pad_to_multiple_of).to(device), _build(inert, pad_id, pad_to_multiple_of).to(device)
+
+
 def _build(groups: list[list[Trajectory]], pad_id: int, multiple: int) -> RLBatch:
     ids, pos, blocks, hidden, targets, last = [], [], [], [], [], []
     for g in groups:

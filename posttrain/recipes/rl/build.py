@@ -14,6 +14,7 @@ from posttrain.agentic.episodes import AgentRun, setup_agent
 from posttrain.algos import AdaptiveKLController, FixedKLController, policy_losses
 from posttrain.algos import advantages as adv_registry
 from posttrain.algos.entropy import AdaptiveEntropyCoef, FixedEntropyCoef
+from posttrain.algos.pg_losses import vanishes_at_zero_advantage
 from posttrain.algos.presets import rl_preset, uses_critic
 from posttrain.data import formats
 from posttrain.data.templates import check_template
@@ -93,6 +94,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
                                     verifiers=verifier_weights(reward_fn)))
     run.curriculum = sampler if isinstance(sampler, BandSampler) else None
+    run.inert_loss = run.loss_fn is not None and vanishes_at_zero_advantage(run.loss_fn, **loss_probe_args(cfg))
     run.entropy_ctl = entropy_controller(cfg)
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
@@ -114,6 +116,12 @@ def setup(cfg: RLConfig) -> RLRun:
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
     return run
+
+
+def loss_probe_args(cfg: RLConfig) -> dict:
+    """The policy loss's arguments as the step passes them (`phases.batch_loss`): loss_args, and TIS's when on."""
+    tis = cfg.resolved_tis_cap
+    return {**cfg.loss_args, **({"behaviour_logp": None, "tis_cap": tis} if tis else {})}
 
 
 def advantage_fn(cfg: RLConfig, critic: Critic | None):

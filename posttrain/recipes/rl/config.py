@@ -144,6 +144,11 @@ class RLConfig(CommonConfig):
                                 "(logged as kl_start, kl_start/seq; 0 = off); see recipes/rl/drift.py")
     kl_probe_size: int = Field(16, ge=1, description="β = 0: samples of the first step kept as the KL-to-start probe set")
     micro_batch_tokens: int = Field(4096, ge=64, description="tokens per forward/backward (whole groups; the prompt counted once)")
+    zero_advantage: str = Field("forward", pattern="^(forward|skip|train)$",
+                                description="groups whose every sample has advantage 0 (their loss has no gradient when β = 0 "
+                                "and no entropy bonus): forward = no-grad forward for the logged metrics, no backward (same update "
+                                "and metrics, faster) | skip = not computed (metrics over the trained groups) | train = "
+                                "backward as any group (docs/rl.md)")
     optim: OptimSettings = Field(default_factory=lambda: OptimSettings(lr=1e-6, warmup_ratio=0.0))
     alarms: AlarmSettings = Field(default_factory=AlarmSettings, description="health alarms (docs/alarms.md)")
     eval: EvalSettings = Field(default_factory=EvalSettings, description="held-out evaluation every eval.every steps (docs/eval.md)")

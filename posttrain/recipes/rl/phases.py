@@ -22,7 +22,7 @@ from posttrain.data import formats
 from posttrain.data.templates import render_prompt
 from posttrain.models.forward import backbone_and_head, hidden_states
 from posttrain.models.lora import reference_view
-from posttrain.rollout.trajectory import RLBatch, Trajectory
+from posttrain.rollout.trajectory import RLBatch, Trajectory, split_inert
 from posttrain.rollout.types import Request
 
 # ---------------------------------------------------------------- collect
@@ -181,6 +181,24 @@ def reference_logps(ref, batches: list[RLBatch], cfg) -> None:
 
 
 # ---------------------------------------------------------------- update
+
+
+def inert_split(run, b: RLBatch, entropy_coef: float) -> tuple[RLBatch | None, RLBatch | None]:
+    """(live, inert) sub-batches of b (`trajectory.split_inert`) when an inert group's loss provably adds nothing
+    to the gradient: zero_advantage != train, a loss whose gradient vanishes at A = 0 (`run.inert_loss`), no β·KL
+    term, no entropy bonus, no critic, one process (FSDP's ranks must run the same backwards). Else (b, None)."""
+    if (run.cfg.zero_advantage == "train" or not run.inert_loss or run.loss_beta > 0 or entropy_coef > 0
+            or run.critic is not None or run.info.world > 1):
+        return b, None
+    return split_inert(b, run.tok.pad_token_id)
+
+
+def zero_missing_grads(model: torch.nn.Module) -> None:
+    """p.grad = 0 for trainable parameters without one: a minibatch whose every group was inert ran no backward,
+    and the step must still be AdamW's step on a zero gradient (moments decay, the update follows them)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def minibatches(batches: list[RLBatch], n: int) -> list[list[RLBatch]]:

@@ -95,6 +95,7 @@ class RLRun:
     dynamic: bool  # dynamic sampling (DAPO): groups without signal are dropped and refilled
     tis_cap: float | None  # truncated importance sampling cap on π_old/μ (None: off)
     device: torch.device
+    inert_loss: bool = False  # loss_fn's gradient is 0 at A = 0 (probed at setup): zero-advantage groups may skip backward
     info: DistInfo = field(default_factory=DistInfo)
     rollout: Rollout | None = None  # set by setup once the engine exists
     critic: Critic | None = None

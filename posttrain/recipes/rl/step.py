@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from posttrain.recipes.rl import phases as ph
 from posttrain.recipes.rl.log import log_step
 from posttrain.recipes.rl.run import Consistency, RLRun, UpdateStats
@@ -72,16 +74,21 @@ def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dic
     stats = UpdateStats()
     lr, beta = run.scheduler.get_last_lr()[0], run.beta
     entropy_coef = run.entropy_ctl.coef()  # the entropy bonus's c this step (0: none)
+    parts: dict[int, tuple] = {}  # id(micro-batch) -> its (live, inert) sub-batches (policy_pass)
     for epoch in range(cfg.epochs):
         for mb in ph.minibatches(batches, cfg.minibatches):
+            # the normalisers count every group, inert ones included: the gradient is the whole batch's
             norms = {"agg": run.agg, "tokens": max(sum(int(b.loss_mask.sum()) for b in mb), 1),
                      "seqs": max(sum(int(b.valid.sum()) for b in mb), 1)}
+            backwards = 0
             for b, w in rank_share(mb, run.info):  # one process: every micro-batch, weight 1
                 if train_policy:
-                    policy_backward(run, b, epoch, norms, stats, w, entropy_coef)
+                    backwards += policy_pass(run, b, parts, epoch, norms, stats, w, entropy_coef)
                 if critic is not None:
                     critic.backward(b, norms["tokens"], stats.critic, w)
             if train_policy:
+                if not backwards:
+                    ph.zero_missing_grads(run.model)
                 norm = optimizer_step(run.model, run.optimizer, cfg.optim.max_grad_norm)
                 stats.grad_norm = norm if stats.grad_norm is None else stats.grad_norm
             if critic is not None:
@@ -93,6 +100,7 @@ def update(run: RLRun, batches: list[RLBatch], train_policy: bool = True) -> dic
     if critic is not None:
         critic.end_update()
     row = update_metrics(run, stats, lr, beta, batches)
+    row["zero_adv/no_backward_samples"] = sum(len(inert.trajectories) for _, inert in parts.values() if inert is not None)
     if train_policy and run.entropy_ctl.active:
         row.update(entropy_metrics(run, entropy_coef, row["entropy"]))
     return row
@@ -121,16 +129,35 @@ def reset_reference(run: RLRun, step: int) -> dict:
     return {"ref_reset": 1}
 
 
+def policy_pass(run: RLRun, b: RLBatch, parts: dict, epoch: int, norms: dict, stats: UpdateStats, weight: float,
+                entropy_coef: float) -> int:
+    """The policy's pass over micro-batch b: backward over its live groups; its inert groups (every advantage 0: no
+    gradient, `phases.inert_split`) get a no-grad forward for the metrics (zero_advantage=forward) or nothing
+    (skip). `parts` keeps each micro-batch's split for the later epochs (each side keeps its old_logp).
+    -> the backwards run (0 or 1)"""
+    if id(b) not in parts:
+        parts[id(b)] = ph.inert_split(run, b, entropy_coef)
+    live, inert = parts[id(b)]
+    if inert is not None and run.cfg.zero_advantage == "forward":
+        policy_backward(run, inert, epoch, norms, stats, weight, entropy_coef, grad=False)
+    if live is None:
+        return 0
+    policy_backward(run, live, epoch, norms, stats, weight, entropy_coef)
+    return 1
+
+
 def policy_backward(run: RLRun, b: RLBatch, epoch: int, norms: dict, stats: UpdateStats, weight: float = 1.0,
-                    entropy_coef: float = 0.0) -> None:
+                    entropy_coef: float = 0.0, grad: bool = True) -> None:
     """The policy loss of one micro-batch, backward. `weight` 0: a padding copy that keeps a sharded run's
     ranks in step (its loss counts 0, no statistics). `entropy_coef` > 0: the loss − c·H per token, H with
-    its gradient (every epoch)."""
+    its gradient (every epoch). grad=False: the forward without autograd and no backward (inert groups: their
+    loss and statistics, which a backward would not change)."""
     cfg = run.cfg
     first = epoch == 0
     bonus = entropy_coef > 0
-    logp, entropy = fsdp.apply(run.model, ph.policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision,
-                               truncated=True, with_entropy=first or bonus, entropy_grad=bonus)
+    with torch.set_grad_enabled(grad):
+        logp, entropy = fsdp.apply(run.model, ph.policy_logps, b, cfg.sampling.temperature, cfg.mixed_precision,
+                                   truncated=True, with_entropy=first or bonus, entropy_grad=bonus)
     if first and b.old_logp is None:  # on-policy: the old policy is the current one
         b.old_logp = logp.detach()
     if first and weight:
@@ -139,7 +166,8 @@ def policy_backward(run: RLRun, b: RLBatch, epoch: int, norms: dict, stats: Upda
     loss, m = ph.batch_loss(logp, b, run.loss_fn, cfg, run.loss_beta, cfg.kl_estimator, run.tis_cap, norms,
                             entropy=entropy if bonus else None, entropy_coef=entropy_coef)
     scale = getattr(run.model, "loss_scale", 1.0)  # sharded: FSDP averages gradients over ranks, W x is a sum
-    (loss * (weight * scale)).backward()
+    if grad:
+        (loss * (weight * scale)).backward()
     if weight:
         stats.loss += float(loss.detach()) / cfg.epochs
         stats.losses.add(m, float(b.loss_mask.sum()))

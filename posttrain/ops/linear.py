@@ -53,7 +53,8 @@ without bf16 instructions (`_native_bf16`), and on an Intel CPU (MKL the BLAS) w
 matmuls of at least MIN_ROWS rows: a few rows
 (decoding) read each weight once for little arithmetic, so the fp32 copy (twice the bytes, widened per call)
 costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
-32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on. The rollout engine keeps its
+32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on (where bf16 is software, the
+native matmul loses from ~16 rows on: MIN_ROWS). The rollout engine keeps its
 bf16 packed weights for the same reason, except where bf16 is software (`WIDEN_PACKED_BF16`: widened once per
 weight change, not per call). The fp32 GEMMs of this route take the fp32 rule's kernel (posttrain's GEMM on
 AMD's Zen 2, whose bf16 is software).
@@ -196,7 +197,12 @@ PACKED_MAX_K = 8192
 # longer sums (the LM head's ∂x over the vocabulary) on posttrain's GEMM as slices of at most this many k steps, added
 # (`_gemm_long`): a 256 KB panel leaves half of the L2 to the rows (Zen 2: 172-176 GFLOP/s; slices of 8192: 151-169)
 LONG_SLICE = 4096
-MIN_ROWS = 256  # the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM
+# the fewest rows of x (all but its last dim) for which a bf16 matmul takes the fp32 GEMM: 256 over bf16 instructions
+# (the module's docstring); 16 where bf16 is software, whose matmuls are far slower from a few rows on (AMD EPYC Zen 2,
+# 2 threads, x (M, 576)·W (1536, 576): native time / the fp32 route's 0.12 at 1 row, 0.49 at 8, 2.0 at 32, 6.5 at 192
+# without grad; with its backward 1.1 at 1 row, 2.8 at 8, 8.2 at 32, 15 at 192). A training micro-batch under 256
+# tokens (a small group, zero_advantage's live groups) ran at 1/15 the speed there before.
+MIN_ROWS = 256 if NATIVE_BF16 else 16
 # the rollout engine's float32 linears (rollout.runner._Linear) on posttrain's packed GEMM (csrc/gemm_kernel.cpp)
 # instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
 ENGINE_GEMM = _prefer_engine_gemm(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))

@@ -66,7 +66,7 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vzero() { return _mm256_setzero_ps(); }
 #endif
 constexpr int NV = 2, NR = NV * VL, MR = 6;
-constexpr int64_t MC = 192;  // rows per chunk: 384 × K floats of x stay in L2/L3 while every panel passes
+constexpr int64_t MC = 384;  // rows per chunk: 384 × K floats of x stay in L2/L3 while every panel passes
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool BF16_KERNEL = true;  // vdpbf16ps: the bf16 variant below is built

@@ -8,7 +8,8 @@ GSPO, CISPO, RLOO, REINFORCE++). It reads top to bottom; the phase names are the
     3. reference  log π_ref on the loss tokens when β > 0 (no reference model at β = 0)
        critic     PPO only: V(s_t) from the value model, token rewards (−β·k1, outcome at the end), GAE (ppo.py)
     4. update     policy loss (+ β·KL) over the global batch, TIS when trainer and sampler differ in
-                  precision, PPO epochs × minibatches, AdamW; the rollout source picks up the new weights
+                  precision, PPO epochs × minibatches, AdamW; the rollout source picks up the new weights;
+                  groups whose advantages are all 0 (no gradient at β = 0) skip the backward (zero_advantage)
     5. log        one metrics.jsonl row (reward, KL, lengths, clip fractions, entropy, consistency, time)
 
 Only generated tokens carry loss. Under torchrun each minibatch's micro-batches are shared among the

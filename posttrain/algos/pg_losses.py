@@ -180,18 +180,18 @@ def cispo(logp, old_logp, advantages, mask, *, eps_low: float | None = None, eps
     return _finish(loss, m, metrics, old_logp, behaviour_logp, tis_cap)
 
 
-def vanishes_at_zero_advantage(loss_fn, **hp) -> bool:
+def vanishes_at_zero_advantage(loss_fn, tis_cap: float | None = None, **hp) -> bool:
     """Whether `loss_fn`'s gradient is exactly 0 when every advantage is 0, probed on random log-probs with ratios
-    far from 1 and a masked tail (`hp`: the run's loss arguments, TIS included). Every loss above is linear in A
-    (so is TIS's weight): then a group of zero advantages adds nothing to a step's gradient (recipes/rl
-    `zero_advantage`). A registered loss with a term of its own (e.g. an entropy or KL term inside it) fails."""
+    far from 1 and a masked tail (`hp`: the run's loss arguments; `tis_cap`: TIS on, as the step passes it). Every
+    loss above is linear in A (so is TIS's weight): then a group of zero advantages adds nothing to a step's
+    gradient (recipes/rl `zero_advantage`). A registered loss with a term of its own (an entropy or KL term) fails."""
     g = torch.Generator().manual_seed(0)
     logp = (-3 * torch.rand(4, 6, generator=g)).requires_grad_()  # (B, T)
     old = logp.detach() + 0.5 * torch.randn(4, 6, generator=g)
     mask = torch.ones(4, 6, dtype=torch.bool)
     mask[1, 4:] = False
-    if "behaviour_logp" in hp:
-        hp = {**hp, "behaviour_logp": old + 0.3 * torch.randn(4, 6, generator=g)}
+    if tis_cap:
+        hp = {**hp, "behaviour_logp": old + 0.3 * torch.randn(4, 6, generator=g), "tis_cap": tis_cap}
     loss, _ = loss_fn(logp, old, torch.zeros(4), mask, **hp)
     if not loss.requires_grad:
         return True

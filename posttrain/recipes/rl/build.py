@@ -94,7 +94,7 @@ def setup(cfg: RLConfig) -> RLRun:
                 alarms=AlarmMonitor(cfg.alarms, echo=None if info.main else lambda text: None,
                                     verifiers=verifier_weights(reward_fn)))
     run.curriculum = sampler if isinstance(sampler, BandSampler) else None
-    run.inert_loss = run.loss_fn is not None and vanishes_at_zero_advantage(run.loss_fn, **loss_probe_args(cfg))
+    run.inert_loss = run.loss_fn is not None and vanishes_at_zero_advantage(run.loss_fn, run.tis_cap, **cfg.loss_args)
     run.entropy_ctl = entropy_controller(cfg)
     if run.ref is None and info.world == 1 and cfg.kl_probe_every and cfg.algo != "online_dpo":
         run.drift = DriftProbe(cfg.kl_probe_every, cfg.kl_probe_size)
@@ -116,12 +116,6 @@ def setup(cfg: RLConfig) -> RLRun:
     run.metrics = life.metrics()
     life.fresh_file("samples.jsonl")
     return run
-
-
-def loss_probe_args(cfg: RLConfig) -> dict:
-    """The policy loss's arguments as the step passes them (`phases.batch_loss`): loss_args, and TIS's when on."""
-    tis = cfg.resolved_tis_cap
-    return {**cfg.loss_args, **({"behaviour_logp": None, "tis_cap": tis} if tis else {})}
 
 
 def advantage_fn(cfg: RLConfig, critic: Critic | None):

@@ -83,7 +83,7 @@ def _build(name: str):
     # -fno-trapping-math: FP compares may be if-converted, so loops with clamps vectorize on AVX2 (GCC 12 left the
     # SwiGLU loops scalar there: 2-3x slower than eager; an SFT step -4% with them vectorized, AMD Zen 3). It allows
     # no reassociation or contraction: every element's result is the same.
-    parts = ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp", "gemm_kernel.cpp")
+    parts = ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp", "gemm_kernel.cpp", "decode_kernel.cpp")
     args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in parts)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
@@ -246,6 +246,26 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     x may be the transposed view of a contiguous (K, M) float32 tensor (training's ∂W = ∂yᵀ·x: transposed into a
     buffer a chunk of rows at a time, the same values)."""
     return _module.gemm_packed(x, packed, n, bias, residual, glu)
+
+
+def decode_layers_runs() -> bool:
+    """Whether `decode_layers` runs: the kernels built with the packed GEMM (x86-64 with AVX2 and FMA) and the group
+    attention (GCC >= 12 or Clang)."""
+    return load() is not None and _module.gemm_kernel_available() and _module.group_attention_available()
+
+
+def decode_layers(x, layers, widths, glu, eps, cos, sin, k_slot, v_slot, member, off, prompt, scale: float,
+                  windows: list[int], heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A decode step's Llama-style decoder layers in one call (csrc/decode_kernel.cpp): per layer the kernels
+    `runner.Runner._forward` calls on its fast path (RMSNorm, q|k|v `gemm_packed`, `rope`, `group_attention`, o with
+    the residual, RMSNorm, gate|up with the SwiGLU epilogue or `swiglu_fwd` / `silu_mul`, down with the residual), in
+    that order: the Python loop's result bit for bit. layers[i]: [norm_in w, qkv panels, qkv bias, o panels, o bias,
+    norm_post w, gate|up panels, gate|up bias, down panels, down bias] (no bias: an empty tensor); widths[i]: those
+    four linears' output columns; glu[i]: gate|up packed for the SwiGLU epilogue; eps: two per layer; cos/sin (N, D)
+    the step's RoPE rows; k_slot/v_slot (layers, groups, KV, cap, D) and member/off/prompt/scale as `group_attention`
+    takes them; windows[i]: layer i's sliding window or 0. -> x after the last layer, before the final norm."""
+    return _module.decode_layers(x, layers, widths, glu, eps, cos, sin, k_slot, v_slot, member, off, prompt, scale,
+                                 windows, heads, kv_heads, head_dim)
 
 
 def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

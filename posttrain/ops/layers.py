@@ -52,6 +52,11 @@ def _kernels():
     return cpu_kernels.load() if os.environ.get("POSTTRAIN_FUSED_LAYERS", "1") != "0" else None
 
 
+def kernels_on() -> bool:
+    """Whether the fused float32 kernels run (built, and not turned off with POSTTRAIN_FUSED_LAYERS=0)."""
+    return _kernels() is not None
+
+
 def _plain_cpu(*ts: torch.Tensor) -> bool:
     return all(type(t) in _PLAIN and t.device.type == "cpu" for t in ts)
 

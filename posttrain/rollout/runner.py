@@ -68,8 +68,19 @@ class _Norm:
         """Another compute dtype (fp32 master weights, bf16 compute): the weight cast once per weight change."""
         self.w = None if self.dtype is None else self.mod.weight.to(self.dtype)
 
+    def weight(self) -> torch.Tensor:
+        return self.mod.weight if self.w is None else self.w
+
+    def loop_kernel(self, dtype: torch.dtype) -> bool:
+        """Whether `__call__` on a 2-d `dtype` x runs one kernel the decode layer loop calls in its place: the bf16
+        `cpu_kernels.rmsnorm`, or training's float32 kernel (`layers.rmsnorm`) where the module runs it."""
+        w = self.weight()
+        if self.kind != "llama" or w.dtype != dtype or not w.is_contiguous() or not is_cpu(w):
+            return False
+        return dtype == torch.bfloat16 or (dtype == torch.float32 and self.fused and layers.kernels_on())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.mod.weight if self.w is None else self.w
+        w = self.weight()
         if self.kind == "llama":
             if self.fused and (out := layers.rmsnorm(x, w, self.eps)) is not None:  # float32: training's kernel
                 return out
@@ -253,6 +264,10 @@ def _onednn_pack(w: torch.Tensor, batch_hint: int):
     return packed if _PACK_WORKS[w.dtype] else None
 
 
+def _or(t: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if t is None else t
+
+
 def _weight(module):
     """A linear module's weight tensor (a LoRA layer's base weight)."""
     return getattr(module, "base_layer", module).weight
@@ -272,7 +287,6 @@ class Runner:
         # model cast to that dtype)
         self.device, self.dtype = self.embed.weight.device, dtype or self.embed.weight.dtype
         self._modules(hf, pack_weights, slot_kv_seqs or 64)  # hint: the decode batch size, the shape that matters
-        self.refresh_weights()
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.n_heads // self.n_kv
@@ -299,6 +313,9 @@ class Runner:
         self.k_slot = self.v_slot = None
         # decode attention over the group KV: the fused kernel where it runs, else masked SDPA (`_slot_attend`)
         self.group_kernel = r.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim)
+        # decode over the group KV with every layer in one C++ call where the model allows (`_loop_args`)
+        self.layer_loop, self._loop = True, None
+        self.refresh_weights()  # the packed copies (and `_loop`)
         self.set_width(1)
 
     def _modules(self, hf, pack: bool, hint: int) -> None:
@@ -398,6 +415,33 @@ class Runner:
         for part in (*self.qkv, *self.o, *self.gate_up, *self.down, self.lm_head, self.embedding, *norms):
             if part is not None:  # a family without that norm
                 part.refresh()
+        self._loop = self._loop_args()
+
+    def _loop_args(self):
+        """(layers, widths, glu, eps) for `cpu_kernels.decode_layers`, or None where a layer needs something it does
+        not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
+        table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
+        norm and SwiGLU on the kernel `__call__` / `_gated` would run (so the loop computes what they compute)."""
+        r, dt = self.recipe, self.dtype
+        if not (self.slot_seqs and self.group_kernel and self.fast_qk and len(self._tables) == 1 and r.act is F.silu
+                and dt in (torch.bfloat16, torch.float32) and cpu_kernels.decode_layers_runs()):
+            return None
+        empty = torch.empty(0)
+        parts, widths, glu, eps = [], [], [], []
+        for i in range(len(self.layers)):
+            norms, lins = (self.attn_in[i], self.mlp_in[i]), (self.qkv[i], self.o[i], self.gate_up[i], self.down[i])
+            if self.attn_out[i] is not None or self.mlp_out[i] is not None or any(n is None or not n.loop_kernel(dt) for n in norms):
+                return None
+            if any(lin.kind != "gemm" for lin in lins):
+                return None
+            if not lins[2].glu and dt == torch.float32 and not (self.fused_mlp[i] and layers.kernels_on()):
+                return None  # float32 SwiGLU: training's kernel where the module runs it, else eager (`_gated`)
+            parts.append([norms[0].weight(), lins[0].w, _or(lins[0].b, empty), lins[1].w, _or(lins[1].b, empty),
+                          norms[1].weight(), lins[2].w, _or(lins[2].b, empty), lins[3].w, _or(lins[3].b, empty)])
+            widths.append([lin.n for lin in lins])
+            glu.append(lins[2].glu)
+            eps += [float(norms[0].eps), float(norms[1].eps)]
+        return parts, widths, glu, eps
 
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
@@ -546,6 +590,8 @@ class Runner:
         """One new token per sequence. tokens/positions/rows (engine slots) (B,), block_tables (slots, max
         blocks) block ids of every engine slot -> logits (B, V). With the group KV the new KV goes there
         only (`save_decoded` copies it to the blocks when needed) and the block tables are not read."""
+        if self.slot_seqs and self.layer_loop and self._loop is not None:
+            return self.logits(self.norm(self._decode_layers(tokens, positions, rows)))
         if self.slot_seqs:
             return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows)))
         bs, B = self.block_size, tokens.shape[0]
@@ -592,19 +638,38 @@ class Runner:
         own tokens. The new k/v go to `off` first. Where the fused kernel runs (CPU, bf16/fp32, no soft-cap),
         it visits only the keys each query sees (`cpu_kernels.group_attention`); elsewhere one masked SDPA
         call covers every group (`_masked_slot_attend`)."""
-        W = self.width
-        gs = rows // W
-        P = self.prompt_len[gs]
-        off = P + (positions - P) * W + rows % W  # (B,) where each new token goes in its group region
-        ngs = int(gs.max()) + 1
-        self._ensure_slot_kv(int(off.max()) + 1)
+        off, ngs = self._slot_offsets(positions, rows)
         if self.group_kernel:
-            member = torch.full((ngs * W,), -1, dtype=torch.long, device=self.device).index_copy_(
-                0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, W)  # batch row of each slot, -1 idle
-            prompt, scale = self.prompt_len[:ngs], self.recipe.scale
+            member, prompt, scale = self._members(rows, ngs), self.prompt_len[:ngs], self.recipe.scale
             return lambda i, q, k, v: cpu_kernels.group_attention(
                 q, k, v, self.k_slot[i], self.v_slot[i], member, off, prompt, scale, self.windows[i])
         return self._masked_slot_attend(positions, rows, off, ngs)
+
+    def _slot_offsets(self, positions, rows) -> tuple[torch.Tensor, int]:
+        """(off (B,): where each row's new token goes in its group region, the group slots in use); the region
+        grown to hold them."""
+        W = self.width
+        gs = rows // W
+        P = self.prompt_len[gs]
+        off = P + (positions - P) * W + rows % W
+        ngs = int(gs.max()) + 1
+        self._ensure_slot_kv(int(off.max()) + 1)
+        return off, ngs
+
+    def _members(self, rows, ngs: int) -> torch.Tensor:
+        """(ngs, W) int64: the batch row of each group slot's sample, -1 where the slot is idle."""
+        return torch.full((ngs * self.width,), -1, dtype=torch.long, device=self.device).index_copy_(
+            0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, self.width)
+
+    def _decode_layers(self, tokens, positions, rows) -> torch.Tensor:
+        """`_forward`'s layers over the group KV in one C++ call (`cpu_kernels.decode_layers`, see `_loop_args`): the
+        same kernels on the same tensors in the same order, without the interpreter between them."""
+        off, ngs = self._slot_offsets(positions, rows)
+        cos, sin = self._tables[0]
+        return cpu_kernels.decode_layers(
+            self.embedding(tokens), *self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot,
+            self._members(rows, ngs), off, self.prompt_len[:ngs], self.recipe.scale, [w or 0 for w in self.windows],
+            self.n_heads, self.n_kv, self.head_dim)
 
     def _masked_slot_attend(self, positions, rows, off, ngs: int):
         """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its

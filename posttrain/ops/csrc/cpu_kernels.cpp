@@ -181,6 +181,12 @@ torch::Tensor gemm_once(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 bool gemm_kernel_available();
 bool gemm_bf16_kernel_available();
 int64_t gemm_panel_width();
+// a decode step's decoder layers, the kernels above in runner._forward's order (decode_kernel.cpp)
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
+                            const std::vector<std::vector<int64_t>>& widths, const std::vector<bool>& glu,
+                            const std::vector<double>& eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_slot,
+                            torch::Tensor v_slot, torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale,
+                            const std::vector<int64_t>& windows, int64_t H, int64_t KV, int64_t D);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
@@ -212,5 +218,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");
   m.def("gemm_kernel_available", &gemm_kernel_available, "whether gemm_packed was built (x86-64 with AVX2 and FMA)");
   m.def("gemm_panel_width", &gemm_panel_width, "output columns per packed panel (16 with AVX2, 32 with AVX-512)");
+  m.def("decode_layers", &decode_layers, "a decode step's Llama-style decoder layers over the group KV (runner._forward's kernels)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

@@ -418,7 +418,7 @@ class Runner:
         self._loop = self._loop_args()
 
     def _loop_args(self):
-        """(layers, widths, glu, eps) for `cpu_kernels.decode_layers`, or None where a layer needs something it does
+        """(layers, widths, glu, eps, windows) for `cpu_kernels.decode_layers`, or None where a layer needs something it does
         not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
         table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
         norm and SwiGLU on the kernel `__call__` / `_gated` would run (so the loop computes what they compute)."""
@@ -430,9 +430,8 @@ class Runner:
         parts, widths, glu, eps = [], [], [], []
         for i in range(len(self.layers)):
             norms, lins = (self.attn_in[i], self.mlp_in[i]), (self.qkv[i], self.o[i], self.gate_up[i], self.down[i])
-            if self.attn_out[i] is not None or self.mlp_out[i] is not None or any(n is None or not n.loop_kernel(dt) for n in norms):
-                return None
-            if any(lin.kind != "gemm" for lin in lins):
+            if (self.attn_out[i] is not None or self.mlp_out[i] is not None or any(lin.kind != "gemm" for lin in lins)
+                    or any(n is None or not n.loop_kernel(dt) for n in norms)):
                 return None
             if not lins[2].glu and dt == torch.float32 and not (self.fused_mlp[i] and layers.kernels_on()):
                 return None  # float32 SwiGLU: training's kernel where the module runs it, else eager (`_gated`)
@@ -441,7 +440,7 @@ class Runner:
             widths.append([lin.n for lin in lins])
             glu.append(lins[2].glu)
             eps += [float(norms[0].eps), float(norms[1].eps)]
-        return parts, widths, glu, eps
+        return parts, widths, glu, eps, [w or 0 for w in self.windows]
 
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
@@ -590,7 +589,7 @@ class Runner:
         """One new token per sequence. tokens/positions/rows (engine slots) (B,), block_tables (slots, max
         blocks) block ids of every engine slot -> logits (B, V). With the group KV the new KV goes there
         only (`save_decoded` copies it to the blocks when needed) and the block tables are not read."""
-        if self.slot_seqs and self.layer_loop and self._loop is not None:
+        if self.layer_loop and self._loop is not None:  # (only where decode runs over the group KV)
             return self.logits(self.norm(self._decode_layers(tokens, positions, rows)))
         if self.slot_seqs:
             return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows)))
@@ -668,8 +667,7 @@ class Runner:
         cos, sin = self._tables[0]
         return cpu_kernels.decode_layers(
             self.embedding(tokens), *self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot,
-            self._members(rows, ngs), off, self.prompt_len[:ngs], self.recipe.scale, [w or 0 for w in self.windows],
-            self.n_heads, self.n_kv, self.head_dim)
+            self._members(rows, ngs), off, self.prompt_len[:ngs], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim)
 
     def _masked_slot_attend(self, positions, rows, off, ngs: int):
         """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its

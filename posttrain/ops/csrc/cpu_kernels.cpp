@@ -184,9 +184,9 @@ int64_t gemm_panel_width();
 // a decode step's decoder layers, the kernels above in runner._forward's order (decode_kernel.cpp)
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
                             const std::vector<std::vector<int64_t>>& widths, const std::vector<bool>& glu,
-                            const std::vector<double>& eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_slot,
-                            torch::Tensor v_slot, torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale,
-                            const std::vector<int64_t>& windows, int64_t H, int64_t KV, int64_t D);
+                            const std::vector<double>& eps, const std::vector<int64_t>& windows, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
+                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");

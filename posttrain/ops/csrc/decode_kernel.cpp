@@ -43,14 +43,14 @@ enum { NORM_IN, QKV, QKV_B, O, O_B, NORM_POST, GATE_UP, GATE_UP_B, DOWN, DOWN_B,
 
 // x (N, hidden) the residual stream after the embedding; layers[i]: the PARTS tensors above (packed panels, norm weights,
 // biases or empty tensors); widths[i]: output columns of q|k|v, o, gate|up, down; glu[i]: gate|up packed for the SwiGLU
-// epilogue; eps[2i], eps[2i+1]: the two norms'; cos/sin (N, D): this step's RoPE rows; k_slot/v_slot (layers, groups, KV,
-// cap, D): the group KV (member, off, prompt, scale as group_attention takes them); windows[i]: layer i's sliding window
-// or 0. Returns x after the last layer (before the final norm).
+// epilogue; eps[2i], eps[2i+1]: the two norms'; windows[i]: layer i's sliding window or 0; cos/sin (N, D): this step's
+// RoPE rows; k_slot/v_slot (layers, groups, KV, cap, D): the group KV (member, off, prompt, scale as group_attention takes
+// them). Returns x after the last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
                             const std::vector<std::vector<int64_t>>& widths, const std::vector<bool>& glu,
-                            const std::vector<double>& eps, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_slot,
-                            torch::Tensor v_slot, torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale,
-                            const std::vector<int64_t>& windows, int64_t H, int64_t KV, int64_t D) {
+                            const std::vector<double>& eps, const std::vector<int64_t>& windows, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
+                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D) {
   const int64_t L = static_cast<int64_t>(layers.size()), N = x.size(0), nqk = (H + KV) * D;
   TORCH_CHECK(static_cast<int64_t>(widths.size()) == L && static_cast<int64_t>(glu.size()) == L &&
                   static_cast<int64_t>(eps.size()) == 2 * L && static_cast<int64_t>(windows.size()) == L && k_slot.size(0) >= L,

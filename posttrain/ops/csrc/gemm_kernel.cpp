@@ -126,31 +126,40 @@ inline void step(const Tile<uint16_t, O>& t, int64_t s, V (&acc)[R][NV]) {
 }
 #endif
 
-// SwiGLU epilogue of one row: the panel's first vector holds VL gate columns, its second the same VL up columns
+// SwiGLU epilogue of a tile's R rows: the panel's first vector holds VL gate columns, its second the same VL up columns
 // (`glu_rows` order). h = bf16(float(bf16(silu(g))) * float(u)) with g, u the bf16 roundings of the sums (+ bias):
 // what the engine's gate|up linear (bf16 out) then `silu_mul` compute, bit for bit, including which columns take
-// SLEEF's vector exp (col < glu_exp) and which std::exp (a row's tail in torch's vectorized loop). O = float (the
-// widened-bf16 path with float32 x: float32 panels of bf16 values) stores those bf16 values as float32.
-template <typename T, typename O>
-inline void glu_store(const Tile<T, O>& t, V gate, V up, int64_t row) {
+// SLEEF's vector exp (col < glu_exp; the R rows' exps interleaved) and which std::exp (a row's tail in torch's
+// vectorized loop). O = float (the widened-bf16 path with float32 x: float32 panels of bf16 values) stores those bf16
+// values as float32.
+template <int R, typename T, typename O>
+inline void glu_store(const Tile<T, O>& t, V (&acc)[R][NV]) {
   using posttrain_vec::round_bf;
   using posttrain_vec::vec;
-  vec g = (vec)gate, u = (vec)up;
-  if (t.bias) {
-    g += posttrain_vec::loadv(t.bias);
-    u += posttrain_vec::loadv(t.bias + VL);
+  vec g[R], u[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    g[i] = (vec)acc[i][0];
+    u[i] = (vec)acc[i][1];
+    if (t.bias) {
+      g[i] += posttrain_vec::loadv(t.bias);
+      u[i] += posttrain_vec::loadv(t.bias + VL);
+    }
+    g[i] = round_bf(g[i]);
   }
-  g = round_bf(g);
-  vec s;
   if (t.col0 + VL <= t.glu_exp)
-    s = posttrain_vec::silu(g);
+    posttrain_vec::silu<R>(g);
   else
-    for (int l = 0; l < VL; ++l) s[l] = posttrain_bf16::silu(g[l]);
-  const vec h = round_bf(s) * round_bf(u);
-  if constexpr (std::is_same_v<O, uint16_t>)
-    posttrain_vec::store_bf16(t.c + row * t.ldc, h);  // rounded once, to nearest even
-  else
-    posttrain_vec::storev(t.c + row * t.ldc, round_bf(h));
+    for (int i = 0; i < R; ++i)
+      for (int l = 0; l < VL; ++l) g[i][l] = posttrain_bf16::silu(g[i][l]);
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    const vec h = round_bf(g[i]) * round_bf(u[i]);
+    if constexpr (std::is_same_v<O, uint16_t>)
+      posttrain_vec::store_bf16(t.c + i * t.ldc, h);  // rounded once, to nearest even
+    else
+      posttrain_vec::storev(t.c + i * t.ldc, round_bf(h));
+  }
 }
 
 // R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
@@ -173,10 +182,7 @@ void micro(const Tile<T, O>& t) {
     step<R>(t, k, acc);
   }
   if (t.glu_exp >= 0) {
-    // unrolled: an acc[i] at a run-time i keeps a memory copy of every accumulator, stored at each k step (12 stores
-    // a step: half speed on AMD Zen 2, one store a cycle)
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) glu_store(t, acc[i][0], acc[i][1], i);
+    glu_store<R>(t, acc);
     return;
   }
 #pragma GCC unroll 8

@@ -213,7 +213,17 @@ torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift) {
   return z;
 }
 
+// z <- SLEEF's exp (torch's Sleef_expf8_u10, called 8 lanes at a time; z's length a multiple of 8): the routine
+// posttrain_vec::exp8 writes out inline, for the test that compares the two bit for bit
+torch::Tensor sleef_exp8_(torch::Tensor z) {
+  TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.is_contiguous() && z.numel() % 8 == 0, "z: float32, contiguous, 8k values");
+  float* p = z.data_ptr<float>();
+  for (int64_t i = 0; i < z.numel(); i += 8) _mm256_storeu_ps(p + i, Sleef_expf8_u10(_mm256_loadu_ps(p + i)));
+  return z;
+}
+
 #else
+torch::Tensor sleef_exp8_(torch::Tensor) { TORCH_CHECK(false, "sleef_exp8_ needs an x86-64 CPU with AVX2"); }
 bool sample_kernel_available() { return false; }
 torch::Tensor exp_rows_(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "exp_rows_ needs an x86-64 CPU with AVX2"); }
 std::vector<torch::Tensor> softmax_rows_(torch::Tensor, torch::Tensor, bool) {

@@ -129,6 +129,33 @@ def test_group_prefill_once_and_multi_turn_prefix_cache(model):
     assert o2.samples[0].token_ids == ref  # the cached prefix gives the same result
 
 
+def test_save_decoded_copies_each_position_to_its_block(model):
+    """A finished sample's decoded KV (position p of sample m at P + (p - P) * width + m in its group region) lands at
+    table[p // block] * block + p % block, runs crossing block boundaries included; nothing else is written."""
+    eng = engine(model)
+    eng.generate([Request(list(range(200, 237)), SamplingParams(n=4, max_new_tokens=30, ignore_eos=True, seed=0))])
+    r = eng.runner
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():  # the engine's tensors are inference tensors
+        _check_save_decoded(r, g)
+
+
+def _check_save_decoded(r, g):
+    r.k_slot.copy_(torch.randn(r.k_slot.shape, generator=g))
+    r.v_slot.copy_(torch.randn(r.v_slot.shape, generator=g))
+    gs, m, P, start, end, bs = 0, 2, int(r.prompt_len[0]), 37 + 5, 37 + 30, r.block_size
+    table = torch.randperm(r.k_cache.shape[1] // bs, generator=g)[:(end + bs - 1) // bs].tolist()
+    k_before, v_before = r.k_cache.clone(), r.v_cache.clone()
+    r.save_decoded(gs * r.width + m, table, start, end)
+    p = torch.arange(start, end)
+    off, dst = P + (p - P) * r.width + m, torch.tensor(table)[p // bs] * bs + p % bs
+    for cache, before, region in ((r.k_cache, k_before, r.k_slot), (r.v_cache, v_before, r.v_slot)):
+        assert torch.equal(cache[:, dst], region[:, gs].index_select(2, off).transpose(1, 2))
+        rest = torch.ones(cache.shape[1], dtype=torch.bool)
+        rest[dst] = False
+        assert torch.equal(cache[:, rest], before[:, rest])
+
+
 def test_bad_requests_fail_alone(model):
     good = SamplingParams(n=2, max_new_tokens=5, seed=0)
     reqs = [Request(PROMPTS[0], good), Request([], good), Request(list(range(200)), good),

@@ -125,6 +125,25 @@ def test_counter_uniforms_reproducible_and_distinct():
     assert _chi2(counts, torch.full((10,), 5000.0, dtype=torch.float64)) < 27.88  # df 9, p = 0.001
 
 
+def test_counter_uniforms_kernel_equals_the_tensor_ops():
+    """The C++ pass computes the eager hashes' integers exactly: negative and full 64-bit seeds, indices and steps past
+    2^32 (only their low 32 bits count), int32 inputs, expanded (stride-0) ones."""
+    from posttrain.ops import cpu_kernels
+    from posttrain.ops.sampling import _counter_uniforms_eager
+
+    if cpu_kernels.load() is None:
+        pytest.skip("kernels not built here")
+    g = torch.Generator().manual_seed(0)
+    n = 4096
+    seed = torch.randint(-(2**63), 2**63 - 1, (n,), generator=g)
+    seed[:4] = torch.tensor([0, -1, 2**63 - 1, -(2**63)])
+    idx = torch.randint(0, 2**40, (n,), generator=g)
+    step = torch.randint(0, 2**36, (n,), generator=g)
+    assert torch.equal(counter_uniforms(seed, idx, step), _counter_uniforms_eager(seed, idx, step))
+    small = (torch.arange(8, dtype=torch.int32), torch.arange(8, dtype=torch.int32), torch.tensor(3).expand(8))
+    assert torch.equal(counter_uniforms(*small), _counter_uniforms_eager(*small))
+
+
 @pytest.mark.parametrize("bad", [0.0, 1.0])
 def test_sample_edges_never_pick_zero_probability(bad):
     lp = torch.full((1, 300), -math.inf)

@@ -207,6 +207,11 @@ def gemm_runs(w: torch.Tensor) -> bool:
             and load() is not None and _module.gemm_kernel_available())
 
 
+def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """`sampling.counter_uniforms` on contiguous int64 CPU tensors of one size, in one C++ pass (float64 out)."""
+    return _module.counter_uniforms(seed, sample_index, step)
+
+
 def gemm_pack(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """w (N, K), float32 or bf16 (widened exactly) -> float32 panels (⌈N/NR⌉, K, NR) for `gemm_packed`
     (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512), written into `into` (a previous packing of a

@@ -303,8 +303,15 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """Uniforms in [0, 1) (multiples of 2^-24), a pure function of (seed, sample index, token index).
 
-    All arguments are int64 tensors of the same shape (N,); `seed` may use all 64 bits.
+    All arguments are int64 tensors of the same shape (N,); `seed` may use all 64 bits. On CPU one C++ pass
+    (`cpu_kernels.counter_uniforms`, the same integer arithmetic), else the tensor ops below.
     """
+    if seed.device.type == "cpu" and cpu_kernels.load() is not None:
+        return cpu_kernels.counter_uniforms(seed.long().contiguous(), sample_index.long().contiguous(), step.long().contiguous())
+    return _counter_uniforms_eager(seed, sample_index, step)
+
+
+def _counter_uniforms_eager(seed: torch.Tensor, sample_index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     seed = seed.long()
     h = _hash32(step.long() ^ 0x5BD1E995)
     h = _hash32(h ^ sample_index.long())

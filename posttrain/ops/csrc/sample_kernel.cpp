@@ -25,6 +25,36 @@
 
 #include "bf16.h"
 
+// sampling.counter_uniforms in one pass (its eager form is ~30 small tensor ops: 0.4 ms of a 64-row decode step):
+// u = (h >> 8) / 2^24 with h = lowbias32 hashes of the step, the sample index and the seed's two 32-bit halves in turn
+namespace {
+inline uint32_t lowbias32(uint32_t x) {  // Chris Wellons' integer hash
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  return x ^ (x >> 16);
+}
+}  // namespace
+
+torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step) {
+  for (const auto& t : {seed, sample_index, step})
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == seed.numel(),
+                "counter_uniforms: contiguous int64 CPU tensors of one size");
+  auto out = torch::empty(seed.sizes(), seed.options().dtype(at::kDouble));
+  const auto *s = seed.data_ptr<int64_t>(), *m = sample_index.data_ptr<int64_t>(), *k = step.data_ptr<int64_t>();
+  double* u = out.data_ptr<double>();
+  for (int64_t i = 0; i < seed.numel(); ++i) {
+    const uint64_t bits = static_cast<uint64_t>(s[i]);
+    uint32_t h = lowbias32(static_cast<uint32_t>(k[i]) ^ 0x5bd1e995u);
+    h = lowbias32(h ^ static_cast<uint32_t>(m[i]));
+    h = lowbias32(h ^ static_cast<uint32_t>(bits));
+    h = lowbias32(h ^ static_cast<uint32_t>(bits >> 32));
+    u[i] = static_cast<double>(h >> 8) / static_cast<double>(1 << 24);
+  }
+  return out;
+}
+
 #if defined(__x86_64__) && defined(__AVX2__)  // built with -march=native: AVX2 machines (else the eager path runs)
 namespace {
 

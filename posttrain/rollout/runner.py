@@ -404,6 +404,8 @@ class Runner:
             return
         gs, m = divmod(slot, self.width)
         P, bs = int(self.prompt_len[gs]), self.block_size
+        if start < P:  # the prompt's KV is in the blocks already (prefill writes them); a slice would wrap around
+            raise ValueError(f"save_decoded: start {start} is inside the group's prompt (P = {P})")
         first = P + (start - P) * self.width + m
         src = [region[:, gs, :, first:first + (end - start - 1) * self.width + 1:self.width]  # (layers, kv, n, D)
                for region in (self.k_slot, self.v_slot)]

@@ -180,7 +180,7 @@ def test_bf16_panels_hold_the_weight_in_pairs_and_repack_in_place():
     assert not K.gemm_bf16_runs(torch.randn(40, 23).bfloat16()) and not K.gemm_bf16_runs(w.float())
     with pytest.raises(RuntimeError, match="even number of columns"):
         K.gemm_pack_bf16(torch.randn(40, 23).bfloat16())
-    with pytest.raises(RuntimeError, match="panels' dtype"):
+    with pytest.raises(RuntimeError, match="bf16 over gemm_pack_bf16's"):
         K.gemm_packed(torch.randn(3, 24), packed, 40)
 
 

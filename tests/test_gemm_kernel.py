@@ -338,17 +338,24 @@ def test_engine_linear_keeps_onednn_where_the_rule_says(monkeypatch):
         assert lin.kind in ("onednn", "wt")
 
 
-@pytest.mark.parametrize("x86,avx512,intel,expected",
-                         [(True, False, True, True), (True, False, False, True), (True, True, False, True),
-                          (True, True, True, False), (False, False, False, False)])
-def test_the_engine_gemm_rule(monkeypatch, x86, avx512, intel, expected):
+@pytest.mark.parametrize("x86,expected", [(True, True), (False, False)])
+def test_the_engine_gemm_rule(monkeypatch, x86, expected):
     monkeypatch.setattr(L, "_x86", lambda: x86)
-    monkeypatch.setattr(L, "_cpu_flag", lambda flag: avx512 and flag == "avx512f")
-    monkeypatch.setattr(L, "_intel", lambda: intel)
     assert L._prefer_engine_gemm("auto") == expected
     assert L._prefer_engine_gemm("posttrain") and not L._prefer_engine_gemm("onednn")
     with pytest.raises(ValueError, match="POSTTRAIN_ENGINE_GEMM"):
         L._prefer_engine_gemm("mkl")
+
+
+@pytest.mark.parametrize("via_fp32,native,intel,amx,expected",
+                         [(False, True, True, False, False), (True, False, False, False, True), (True, True, False, False, False),
+                          (True, True, True, False, True), (True, True, True, True, False), (False, False, True, False, False)])
+def test_the_widen_rule(monkeypatch, via_fp32, native, intel, amx, expected):
+    """bf16 engine weights widen to fp32 panels where bf16 is software, or vdpbf16ps runs at half the FMA rate (Intel
+    without AMX); never where bf16 matmuls stay native (POSTTRAIN_BF16_MATMUL=native, AMD AVX-512 BF16, AMX)."""
+    monkeypatch.setattr(L, "_intel", lambda: intel)
+    monkeypatch.setattr(L, "_amx_usable", lambda: amx)
+    assert L._widen_packed_bf16(via_fp32, native) == expected
 
 
 @pytest.mark.parametrize("x86,amx,expected", [(True, False, True), (True, True, False), (False, False, False)])

@@ -163,14 +163,14 @@ def _engine_gemm_choice(choice: str) -> str:
 
 
 def _prefer_engine_gemm(choice: str) -> bool:
-    """Decode-shaped fp32 GEMMs (1 to a few hundred rows against a packed weight) on posttrain's kernel: `auto` where
-    it was measured faster than oneDNN's packed linear (2 threads, SmolLM2-135M's linears in decode order): x86
-    without AVX-512 (AMD EPYC Zen 3: 8 rows 97-104 GFLOP/s vs 49-58, 32 rows 153-164 vs 105-107, 64 rows 175-180 vs
-    123-128, 512 rows 156-164 vs 132-144) and AMD with AVX-512 (Zen 4: 8 rows 95 vs 90, 32 rows 196 vs 171, 64 rows
-    208 vs 195, 512 rows 211 vs 206); oneDNN on Intel's AVX-512 CPUs until measured there. The kernel itself runs
-    on any x86-64 with AVX2 and FMA (`cpu_kernels.gemm_runs`)."""
+    """Decode-shaped fp32 GEMMs (1 to a few hundred rows against a packed weight) on posttrain's kernel: `auto` on
+    every x86 CPU, where it was measured faster than oneDNN's packed linear (2 threads, SmolLM2-135M's linears in
+    decode order): AMD EPYC Zen 3 (AVX2: 8 rows 97-104 GFLOP/s vs 49-58, 32 rows 153-164 vs 105-107, 64 rows 175-180
+    vs 123-128, 512 rows 156-164 vs 132-144), Zen 4 (AVX-512: 8 rows 95 vs 90, 32 rows 196 vs 171, 64 rows 208 vs
+    195, 512 rows 211 vs 206) and an Intel Xeon with AVX-512 (8 rows 80 vs 65, 32 rows 245 vs 162, 64 rows 279 vs
+    197, 512 rows 298 vs 291). The kernel itself runs on any x86-64 with AVX2 and FMA (`cpu_kernels.gemm_runs`)."""
     choice = _engine_gemm_choice(choice)
-    return choice == "posttrain" or (choice == "auto" and _x86() and not (_cpu_flag("avx512f") and _intel()))
+    return choice == "posttrain" or (choice == "auto" and _x86())
 
 
 def _prefer_engine_gemm_bf16(choice: str) -> bool:
@@ -207,9 +207,20 @@ MIN_ROWS = 256 if NATIVE_BF16 else 16
 # instead of oneDNN's packed linear: `POSTTRAIN_ENGINE_GEMM=auto|posttrain|onednn` (see `_prefer_engine_gemm`)
 ENGINE_GEMM = _prefer_engine_gemm(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))
 ENGINE_GEMM_BF16 = _prefer_engine_gemm_bf16(os.environ.get("POSTTRAIN_ENGINE_GEMM", "auto"))  # its bf16 linears too
-# the rollout engine's packed bf16 weights kept widened to fp32 (rollout.runner._Linear): only where bf16 matmuls
-# convert in software (at decode shapes, 64 rows, 2-3x slower than fp32 there); `native` turns it off
-WIDEN_PACKED_BF16 = BF16_VIA_FP32 and not NATIVE_BF16
+
+
+def _widen_packed_bf16(via_fp32: bool, native: bool) -> bool:
+    """The rollout engine's packed bf16 weights kept widened to fp32 panels (rollout.runner._Linear, computed by the
+    fp32 kernel), where bf16 matmuls take the fp32 route (`via_fp32`; POSTTRAIN_BF16_MATMUL=native turns it off) and
+    either convert bf16 in software (x86 AVX2: at decode shapes, 64 rows, 2-3x slower than fp32) or run vdpbf16ps on
+    an Intel CPU without usable AMX. There vdpbf16ps issues every other cycle, half the FMA rate (a Xeon with
+    AVX-512 BF16, one core: 86 vs 177 GFLOP/s in a register-only loop), so the fp32 kernel over widened values beats
+    the bf16 one from ~16 rows on: SmolLM2-135M's linears in decode order, 2 threads, 32 rows 245 vs 167 GFLOP/s,
+    64 rows 279 vs 170; 8 rows 80 vs 110 (twice the bytes: there the weights' traffic is the limit)."""
+    return via_fp32 and (not native or (_intel() and not _amx_usable()))
+
+
+WIDEN_PACKED_BF16 = _widen_packed_bf16(BF16_VIA_FP32, NATIVE_BF16)
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

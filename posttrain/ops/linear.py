@@ -55,8 +55,8 @@ matmuls of at least MIN_ROWS rows: a few rows
 costs more than the faster GEMM saves. Measured there (no grad, bf16 weights): 8.8x slower at 1 row, 2-3x at
 32, 0.7-1.2x at 128, and faster for every shape of the model from 256 rows on (where bf16 is software, the
 native matmul loses from ~16 rows on: MIN_ROWS). The rollout engine keeps its
-bf16 packed weights for the same reason, except where bf16 is software (`WIDEN_PACKED_BF16`: widened once per
-weight change, not per call). The fp32 GEMMs of this route take the fp32 rule's kernel (posttrain's GEMM on
+bf16 packed weights for the same reason, except where bf16 is software or an Intel CPU lacks usable AMX
+(`WIDEN_PACKED_BF16`: widened once per weight change, not per call). The fp32 GEMMs of this route take the fp32 rule's kernel (posttrain's GEMM on
 AMD's Zen 2, whose bf16 is software).
 """
 

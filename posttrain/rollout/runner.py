@@ -137,17 +137,19 @@ class _Linear:
     """x -> concat of `mods`' outputs (e.g. q|k|v, gate|up): one matmul over a packed copy.
 
     Packed on CPU, float32: posttrain's own panels (`cpu_kernels.gemm_pack`, csrc/gemm_kernel.cpp) where
-    `ops.linear.ENGINE_GEMM` chooses it (x86 without AVX-512: 1.4-2x oneDNN's packed linear at 8-64 rows); bf16
-    on CPUs with AVX-512 BF16 and no AMX: bf16 panels for vdpbf16ps (`gemm_pack_bf16`, `ENGINE_GEMM_BF16`;
-    1.15-1.24x oneDNN's packed bf16 linear at 8-64 rows on AMD Zen 4). On those panels a SiLU MLP's gate|up
+    `ops.linear.ENGINE_GEMM` chooses it (any x86: 1.2-2x oneDNN's packed linear at 8-64 rows); bf16 on CPUs with
+    AVX-512 BF16 and no AMX: bf16 panels for vdpbf16ps (`gemm_pack_bf16`, `ENGINE_GEMM_BF16`; 1.15-1.24x oneDNN's
+    packed bf16 linear at 8-64 rows on AMD Zen 4), except on Intel, whose vdpbf16ps runs at half the FMA rate
+    (widened, below). On those panels a SiLU MLP's gate|up
     (`swiglu=True`, bf16 or widened bf16) returns silu(gate) * up from the GEMM's epilogue (`self.glu`);
     else the concatenated weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
     what torch.compile's CPU freezing uses), so no call re-lays it out: at decode shapes (M = 64) bf16/AMX
     matmuls run 1.3-2.7x faster than `x @ W^T`, fp32 ones up to 1.3x. Elsewhere (or if this torch build lacks
     the op): W^T of the concatenation, contiguous (in, out), which MKL runs ~30% faster than F.linear at decode
-    sizes. On a CPU without bf16 dot-product instructions (x86 AVX2: `ops.linear.WIDEN_PACKED_BF16`), a bf16
-    copy is kept widened to fp32 and run as fp32 GEMMs (bf16 in, bf16 out, one rounding): twice the bytes, and
-    at decode shapes 2-3x faster than torch's software bf16 GEMM (AMD EPYC Zen 3). The copy is rebuilt by
+    sizes. On a CPU without bf16 dot-product instructions (x86 AVX2), or an Intel one without AMX
+    (`ops.linear.WIDEN_PACKED_BF16`), a bf16 copy is kept widened to fp32 and run as fp32 GEMMs (bf16 in, bf16
+    out, one rounding): twice the bytes, and at decode shapes 2-3x faster than torch's software bf16 GEMM (AMD
+    EPYC Zen 3), 1.5-1.6x our vdpbf16ps kernel at 32-64 rows on an Intel Xeon. The copy is rebuilt by
     `refresh()` (the engine calls it when the weights change). Unpacked: reads the modules' weights
     at every call (no extra memory; a LoRA layer's merged weight is recomputed per call)."""
 

@@ -18,6 +18,7 @@ def _bound(x, W, bias, extra=0.0):
 @pytest.mark.parametrize("native", [False, True])
 def test_packed_bf16_linear_is_the_bf16_matmul(monkeypatch, native):
     monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", not native)
+    monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
     torch.manual_seed(0)
     a, b = torch.nn.Linear(64, 48), torch.nn.Linear(64, 32, bias=False)
     lin = runner._Linear([a, b], pack=True, batch_hint=8, dtype=torch.bfloat16)
@@ -37,6 +38,7 @@ def test_packed_bf16_linear_is_the_bf16_matmul(monkeypatch, native):
 
 def test_widened_copy_follows_a_weight_change(monkeypatch):
     monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", True)
+    monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
     lin_mod = torch.nn.Linear(16, 8, bias=False)
     lin = runner._Linear([lin_mod], pack=True, batch_hint=4, dtype=torch.bfloat16)
     lin.refresh()
@@ -46,3 +48,16 @@ def test_widened_copy_follows_a_weight_change(monkeypatch):
         lin_mod.weight.mul_(2)
     lin.refresh()
     assert torch.equal(lin(x), (before.float() * 2).bfloat16())  # x 2 is exact in every format
+
+
+@pytest.mark.parametrize("hint,min_rows,widened", [(4, 24, False), (23, 24, False), (24, 24, True), (64, 24, True), (4, 1, True)])
+def test_widening_waits_for_a_decode_batch_of_min_rows(monkeypatch, hint, min_rows, widened):
+    """Where bf16 is native but slower than the fp32 kernel, an engine decoding fewer than WIDEN_MIN_ROWS rows at a
+    time keeps bf16 (the doubled bytes of a widened copy cost more than its faster arithmetic saves there)."""
+    monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", True)
+    monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", min_rows)
+    lin = runner._Linear([torch.nn.Linear(16, 8)], pack=True, batch_hint=hint, dtype=torch.bfloat16)
+    lin.refresh()
+    assert lin.widen == widened
+    x = torch.randn(3, 16).bfloat16()
+    assert lin(x).dtype == torch.bfloat16 and lin(x).shape == (3, 8)

@@ -221,6 +221,12 @@ def _widen_packed_bf16(via_fp32: bool, native: bool) -> bool:
 
 
 WIDEN_PACKED_BF16 = _widen_packed_bf16(BF16_VIA_FP32, NATIVE_BF16)
+# where bf16 is native but the fp32 kernel is faster (Intel without AMX), the widened copy wins only from about this
+# many decode rows on: with fewer, the doubled bytes cost more than the faster arithmetic saves (that Xeon, 2 threads,
+# SmolLM2's linears in decode order: 1 row 13 vs 23 GFLOP/s, 8 rows 79 vs 104, 16 rows 124 vs 137, 24 rows 205 vs
+# 161). An engine decoding fewer rows at a time (EngineConfig.max_num_seqs) keeps the bf16 panels. Where bf16 is
+# software, widening wins from 1 row.
+WIDEN_MIN_ROWS = 24 if NATIVE_BF16 else 1
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from posttrain.models.device import is_cpu
 from posttrain.models.forward import unwrap
 from posttrain.ops import cpu_kernels, layers
-from posttrain.ops.linear import ENGINE_GEMM, ENGINE_GEMM_BF16, WIDEN_PACKED_BF16
+from posttrain.ops.linear import ENGINE_GEMM, ENGINE_GEMM_BF16, WIDEN_MIN_ROWS, WIDEN_PACKED_BF16
 from posttrain.rollout import arch
 from posttrain.rollout.arch import effective_weight
 
@@ -171,9 +171,10 @@ class _Linear:
         w = self._concat(ws)  # (out, in) in the compute dtype
         self.b = None if all(b is None for b in bs) else self._concat(
             [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(bs, ws)])
-        # no bf16 dot-product instructions (x86 AVX2): the bf16 values kept widened to fp32 and multiplied by fp32
-        # GEMMs, each result rounded to bf16 once (products of bf16 numbers are exact in fp32: the same matmul)
-        self.widen = w.dtype == torch.bfloat16 and is_cpu(w) and WIDEN_PACKED_BF16
+        # no bf16 dot-product instructions (x86 AVX2), or slow ones (Intel without AMX) and a decode batch of at least
+        # WIDEN_MIN_ROWS: the bf16 values kept widened to fp32 and multiplied by fp32 GEMMs, each result rounded to
+        # bf16 once (products of bf16 numbers are exact in fp32: the same matmul)
+        self.widen = w.dtype == torch.bfloat16 and is_cpu(w) and WIDEN_PACKED_BF16 and self.batch_hint >= WIDEN_MIN_ROWS
         pairs = w.dtype == torch.bfloat16 and not self.widen and ENGINE_GEMM_BF16 and cpu_kernels.gemm_bf16_runs(w)
         if self.widen or pairs:  # the bias is added to float32 sums (before the one bf16 rounding)
             self.b = None if self.b is None else self.b.float()

@@ -135,13 +135,24 @@ inline __m256 exp8(__m256 x) {
   return d[0];
 }
 
-// exp on every lane with torch's vectorized exp (SLEEF u10: 16 lanes with AVX-512, 8 with AVX2)
-inline vec vexp(vec x) {
+// exp on every lane of N vectors with torch's vectorized exp (SLEEF u10: 16 lanes with AVX-512, 8 with AVX2, where
+// the N vectors' exps run interleaved), in place
+template <int N>
+inline void vexp(vec (&x)[N]) {
 #if defined(__AVX512F__)
-  return (vec)Sleef_expf16_u10((__m512)x);
+  for (int i = 0; i < N; ++i) x[i] = (vec)Sleef_expf16_u10((__m512)x[i]);
 #else
-  return (vec)exp8((__m256)x);
+  __m256 d[N];
+  for (int i = 0; i < N; ++i) d[i] = (__m256)x[i];
+  exp8<N>(d);
+  for (int i = 0; i < N; ++i) x[i] = (vec)d[i];
 #endif
+}
+
+inline vec vexp(vec x) {
+  vec v[1] = {x};
+  vexp<1>(v);
+  return v[0];
 }
 
 // torch's bf16 SiLU loop takes 2 x Vectorized<BFloat16> (4 vectors of VL floats) per step while a whole step fits
@@ -157,20 +168,19 @@ inline vec negate(vec x) {  // -x by the sign bit, as torch's vectorized SiLU
   return neg;
 }
 
-// silu(x) = x / (1 + exp(-x)) on every lane: torch's vectorized SiLU
-inline vec silu(vec x) { return x / (1.f + vexp(negate(x))); }
-
-// the same on N vectors at once (their exps interleaved on AVX2)
+// silu(x) = x / (1 + exp(-x)) on every lane of N vectors (torch's vectorized SiLU), in place
 template <int N>
 inline void silu(vec (&x)[N]) {
-#if defined(__AVX512F__)
-  for (int i = 0; i < N; ++i) x[i] = silu(x[i]);
-#else
-  __m256 e[N];
-  for (int i = 0; i < N; ++i) e[i] = (__m256)negate(x[i]);
-  exp8<N>(e);
-  for (int i = 0; i < N; ++i) x[i] = x[i] / (1.f + (vec)e[i]);
-#endif
+  vec e[N];
+  for (int i = 0; i < N; ++i) e[i] = negate(x[i]);
+  vexp<N>(e);
+  for (int i = 0; i < N; ++i) x[i] = x[i] / (1.f + e[i]);
+}
+
+inline vec silu(vec x) {
+  vec v[1] = {x};
+  silu<1>(v);
+  return v[0];
 }
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

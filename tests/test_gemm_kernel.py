@@ -240,7 +240,6 @@ def test_engine_linear_runs_on_the_packed_gemm(monkeypatch, dtype):
 def test_engine_bf16_linear_runs_on_the_bf16_panels(monkeypatch):
     monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", True)
     monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
-    monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
     torch.manual_seed(0)
     a, c = torch.nn.Linear(64, 48), torch.nn.Linear(64, 20, bias=False)
     lin = runner._Linear([a, c], pack=True, batch_hint=8, dtype=torch.bfloat16)
@@ -335,7 +334,6 @@ def test_engine_linear_keeps_onednn_where_the_rule_says(monkeypatch):
     monkeypatch.setattr(runner, "ENGINE_GEMM", False)
     monkeypatch.setattr(runner, "ENGINE_GEMM_BF16", False)
     monkeypatch.setattr(runner, "WIDEN_PACKED_BF16", False)
-    monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
     for dtype in (torch.float32, torch.bfloat16):
         lin = runner._Linear([torch.nn.Linear(16, 8)], pack=True, batch_hint=4, dtype=dtype)
         lin.refresh()

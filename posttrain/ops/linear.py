@@ -215,8 +215,8 @@ def _widen_packed_bf16(via_fp32: bool, native: bool) -> bool:
     either convert bf16 in software (x86 AVX2: at decode shapes, 64 rows, 2-3x slower than fp32) or run vdpbf16ps on
     an Intel CPU without usable AMX. There vdpbf16ps issues every other cycle, half the FMA rate (a Xeon with
     AVX-512 BF16, one core: 86 vs 177 GFLOP/s in a register-only loop), so the fp32 kernel over widened values beats
-    the bf16 one from ~16 rows on: SmolLM2-135M's linears in decode order, 2 threads, 32 rows 245 vs 167 GFLOP/s,
-    64 rows 279 vs 170; 8 rows 80 vs 110 (twice the bytes: there the weights' traffic is the limit)."""
+    the bf16 one from ~20 rows on (WIDEN_MIN_ROWS): SmolLM2-135M's linears in decode order, 2 threads, 32 rows 245
+    vs 167 GFLOP/s, 64 rows 279 vs 170."""
     return via_fp32 and (not native or (_intel() and not _amx_usable()))
 
 

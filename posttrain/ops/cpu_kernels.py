@@ -36,7 +36,7 @@ _BUILD_PROTOCOL = b"flock-1"  # in the name: builders that take no flock (older 
 
 
 def _cpu_tag() -> str:
-    """This machine's CPU flags, the shared header (torch hashes the sources it compiles, not what they include)
+    """This machine's CPU flags, the shared headers (torch hashes the sources it compiles, not what they include)
     and where the sources are: a new CPU or a changed header builds afresh, and two checkouts keep two builds.
     (One shared build would be rebuilt whenever the other checkout loads it: ninja sees other source paths in the
     build file. Two checkouts running at once then rebuilt each other's extension, minutes each under load.)"""
@@ -45,7 +45,8 @@ def _cpu_tag() -> str:
     except OSError:
         flags = ""
     where = str(_SOURCE.parent.resolve()).encode()
-    return hashlib.sha1(flags.encode() + _SOURCE.with_name("bf16.h").read_bytes() + _BUILD_PROTOCOL + where).hexdigest()[:8]
+    headers = b"".join(h.read_bytes() for h in sorted(_SOURCE.parent.glob("*.h")))
+    return hashlib.sha1(flags.encode() + headers + _BUILD_PROTOCOL + where).hexdigest()[:8]
 
 
 def load():

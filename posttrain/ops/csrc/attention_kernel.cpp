@@ -14,7 +14,7 @@
 // scores are vdpbf16ps dot products of the bf16 q and keys (exact products, float32 sums; `scores_bf16`).
 // Windows (sliding attention): key position p visible to query position q iff q - p < window, so each sample's
 // prompt and own ranges start later. Everything else in float32 (SDPA rounds the probabilities to bf16 before P V; this
-// does not), scores scaled after the dot product as SDPA does. Tasks run in parallel (at::parallel_for).
+// does not), scores scaled after the dot product as SDPA does. Threads claim tasks one at a time (claimed.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "claimed.h"
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
 #define POSTTRAIN_GROUP_ATTENTION 1
@@ -411,18 +412,17 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
 
 template <typename T>
 void run(const Job<T>& a, int64_t groups) {
-  at::parallel_for(0, groups * a.KV, 1, [&](int64_t begin, int64_t end) {
-    Prefetch next = region(a, begin / a.KV, begin % a.KV);
-    next.upto(1, 1);  // the first task's KV, all of it before it starts (parallel_for's ranges are never empty)
-    for (int64_t t = begin; t < end; ++t) {
-      next = t + 1 < end ? region(a, (t + 1) / a.KV, (t + 1) % a.KV) : Prefetch{};
+  posttrain_par::claimed_for(groups * a.KV, [&](int64_t first) {  // threads claim tasks one at a time
+    region(a, first / a.KV, first % a.KV).upto(1, 1);  // a thread's first task's KV, all of it before it starts
+    return [&](int64_t t, int64_t n) {  // task t; n: this thread's next task, whose KV t's steps prefetch
+      Prefetch next = n < groups * a.KV ? region(a, n / a.KV, n % a.KV) : Prefetch{};
       if (a.D == 64)
         task<64 / VL, T>(a, t / a.KV, t % a.KV, next);
       else if (a.D == 128)
         task<128 / VL, T>(a, t / a.KV, t % a.KV, next);
       else
         task<0, T>(a, t / a.KV, t % a.KV, next);
-    }
+    };
   });
 }
 

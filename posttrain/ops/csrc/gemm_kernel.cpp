@@ -6,7 +6,7 @@
 // Micro-kernel: MR = 6 rows × NR = 2 vectors (16 floats with AVX2, 32 with AVX-512): 12 accumulators, 2 panel
 // vectors and 1 broadcast row value in registers (15 of AVX2's 16), 12 FMAs per 2 vector loads + 6 broadcasts.
 // While a panel is in use, the next one is prefetched a few lines per k step (decode is also a weight stream).
-// Threads split the panels; rows go in chunks of MC so a chunk of x stays in cache across the panels, and a chunk's
+// Threads claim panels one at a time (claimed.h); rows go in chunks of MC so a chunk of x stays in cache across the panels, and a chunk's
 // rows are spread evenly over its ⌈rows / MR⌉ tiles (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
 //
 // Every output is  y[m][n] = ((Σ_{k=0..K-1} x[m][k]·W[n][k]) + b[n]) + r[m][n]  with the sum a chain of float32 FMAs
@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "claimed.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -266,7 +267,7 @@ void transpose_rows(const float* At, int64_t M, int64_t K, int64_t m0, int64_t m
 }
 
 // C (M, N) = A (M, K)·Wᵀ (+ bias) (+ residual) over P packed panels of `steps` k steps each (`panel` elements of T
-// per panel). Rows in chunks of MC; threads split the panels; each row tile prefetches its share of the next panel.
+// per panel). Rows in chunks of MC; threads claim the panels; each row tile prefetches its share of the next panel.
 // O: x, residual and C's element (T, or bf16 over float32 panels). TA: A is given as Aᵀ (K, M) contiguous (float32;
 // each chunk transposed into a buffer first). lda: A's row stride where it is read in place (O = T, not TA), else K.
 template <bool TA = false, typename T, typename O = T>
@@ -280,16 +281,16 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
     if constexpr (TA) transpose_rows(A, M, K, m0, mc, chunk.data());
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    posttrain_par::claimed_for(P, [&](int64_t) {  // threads claim panels one at a time
       const T* a;
       if constexpr (TA)
         a = chunk.data();
       else
         a = rows_as<T>(A, m0, mc, K, ld);
-      for (int64_t p = p0; p < p1; ++p) {
+      return [&, a](int64_t p, int64_t q) {  // panel p; q: this thread's next panel (P if none), prefetched
         Tile<T, O> t{nullptr, ld, B + p * panel, steps, nullptr, ldc, std::min<int64_t>(NR, N - p * NR),
                      bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
-        const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(B + (p + 1) * panel) : nullptr;
+        const char* next = q < P ? reinterpret_cast<const char*>(B + q * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
           // the chunk's rows spread evenly over its tiles (6 and 5 rows, never a short tail: a 4-row tile keeps only 8
           // FMAs in flight, under Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows as 10 x 6 + 4 ran 7% slower
@@ -303,7 +304,7 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
           t.pf_lines = next ? last - first : 0;
           run_tile(t, rows);
         }
-      }
+      };
     });
   }
 }

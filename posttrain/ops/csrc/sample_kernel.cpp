@@ -10,7 +10,7 @@
 //   token = c*W + j, log-prob = y[token] - float(log(total))
 //
 // Only the order in which a chunk's float32 sum is added differs from torch's reduction, so a draw can
-// differ only where u*total falls within rounding of a CDF step. Rows run in parallel (at::parallel_for).
+// differ only where u*total falls within rounding of a CDF step. Threads claim rows one at a time (claimed.h).
 //
 // Also here: the trainer's kept softmax over the LM head's logits (`softmax_rows_`, ops/logprobs.py), the same
 // max / exp / sum passes over rows of float32 logits.
@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "claimed.h"
 
 // sampling.counter_uniforms in one pass (its eager form is ~30 small tensor ops: 0.4 ms of a 64-row decode step):
 // u = (h >> 8) / 2^24 with h = lowbias32 hashes of the step, the sample index and the seed's two 32-bit halves in turn
@@ -187,8 +188,8 @@ std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets,
   const int64_t* tp = targets.data_ptr<int64_t>();
   for (int64_t r = 0; r < N; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "targets: row ", r, " is ", tp[r], ", outside [0, ", V, ")");
   float *lp = logp.data_ptr<float>(), *lsp = lse.data_ptr<float>(), *ep = want_entropy ? ent.data_ptr<float>() : nullptr;
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  posttrain_par::claimed_for(N, [&](int64_t) {
+    return [&](int64_t r, int64_t) {
       float* row = zp + r * ld;
       const float m = row_max<float>(row, V);
       const double s = exp_pass(row, V, m, false, false).first;
@@ -197,7 +198,7 @@ std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets,
       lp[r] = row[tp[r]] - l;
       const double py = exp_pass(row, V, l, true, want_entropy).second;
       if (want_entropy) ep[r] = static_cast<float>(-py);
-    }
+    };
   });
   return {logp, lse, ent};
 }
@@ -217,15 +218,13 @@ std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temp
   float* lpp = lp.data_ptr<float>();
   const bool bf16 = logits.scalar_type() == at::kBFloat16;
   const void* base = logits.data_ptr();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<double> csum;
-    std::vector<float> w, scratch;
-    for (int64_t r = begin; r < end; ++r) {
+  posttrain_par::claimed_for(N, [&](int64_t) {  // threads claim rows one at a time, each with its own buffers
+    return [&, csum = std::vector<double>(), w = std::vector<float>(), scratch = std::vector<float>()](int64_t r, int64_t) mutable {
       if (bf16)
         sample_row<uint16_t>(static_cast<const uint16_t*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w, scratch);
       else
         sample_row<float>(static_cast<const float*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w, scratch);
-    }
+    };
   });
   return {tok, lp};
 }
@@ -237,9 +236,7 @@ torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift) {
   const int64_t N = z.size(0), V = z.size(1), ld = z.stride(0);
   float* zp = z.data_ptr<float>();
   const float* sp = shift.data_ptr<float>();
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) exp_pass(zp + r * ld, V, sp[r], true, false);
-  });
+  posttrain_par::claimed_for(N, [&](int64_t) { return [&](int64_t r, int64_t) { exp_pass(zp + r * ld, V, sp[r], true, false); }; });
   return z;
 }
 

@@ -6,8 +6,8 @@
 // Micro-kernel: MR = 6 rows × NR = 2 vectors (16 floats with AVX2, 32 with AVX-512): 12 accumulators, 2 panel
 // vectors and 1 broadcast row value in registers (15 of AVX2's 16), 12 FMAs per 2 vector loads + 6 broadcasts.
 // While a panel is in use, the next one is prefetched a few lines per k step (decode is also a weight stream).
-// Threads claim panels one at a time (claimed.h); rows go in chunks of MC so a chunk of x stays in cache across the panels, and a chunk's
-// rows are spread evenly over its ⌈rows / MR⌉ tiles (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
+// Threads claim panels one at a time (claimed.h); rows go in chunks of MC so a chunk of x stays in cache across the
+// panels, and a chunk's rows are spread evenly over its ⌈rows / MR⌉ tiles (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
 //
 // Every output is  y[m][n] = ((Σ_{k=0..K-1} x[m][k]·W[n][k]) + b[n]) + r[m][n]  with the sum a chain of float32 FMAs
 // in k order from 0: the same for any M, any row block, any thread count (batch-invariant), and within fp32's

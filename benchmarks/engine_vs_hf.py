@@ -14,7 +14,8 @@ each engine repeat (the higher of the two is that repeat's peak: a shared host's
 median repeat's decode/peak is reported (prefill: that repeat's too). The ceiling
 at the decode shape: the engine's own packed linears alone (every layer's q|k|v, o, gate|up, down, then the
 lm_head, on random rows of the decode batch, weights streamed from memory as in a step), timed in the same run:
-what a decode step would take with nothing but its matmuls. Prefill is
+what a decode step would take with nothing but its matmuls (against the higher of the median repeat's peak and one
+measured right after the linears). Prefill is
 reported the same way (each prompt once), and decode's memory side: the bytes a step must read at least
 (every weight once, each sample's KV over its context) per second, against a large copy's bandwidth.
 Writes benchmarks/results/engine_vs_hf.json.

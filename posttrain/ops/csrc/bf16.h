@@ -149,12 +149,6 @@ inline void vexp(vec (&x)[N]) {
 #endif
 }
 
-inline vec vexp(vec x) {
-  vec v[1] = {x};
-  vexp<1>(v);
-  return v[0];
-}
-
 // torch's bf16 SiLU loop takes 2 x Vectorized<BFloat16> (4 vectors of VL floats) per step while a whole step fits
 // in the row: values before the last whole step take the vector exp, the rest std::exp (posttrain_bf16::silu)
 constexpr int64_t SILU_STEP = 4 * VL;

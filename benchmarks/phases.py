@@ -218,6 +218,10 @@ def table(clock: PhaseClock, sides: list[str], peak: float) -> str:
         f"{floors[s]:18.3f}{100 * floors[s] / totals[s] if totals[s] else 0:15.0f}%" for s in sides))
     lines.append("(the last row: the counted FLOPs of each side's step at the peak rate, a floor for that side's work, "
                  "and that floor as a share of its step)")
+    if len(sides) == 2 and floors[sides[1]] > 0:
+        first, last = sides
+        lines.append(f"ceiling: {first}'s step / {last}'s floor = {totals[first] / floors[last]:.2f}x, the most {last} "
+                     f"could be faster than this {first} step with its counted FLOPs all at the peak and nothing else")
     return "\n".join(lines)
 
 

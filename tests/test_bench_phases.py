@@ -25,3 +25,10 @@ def test_table_ends_with_the_floor_and_its_share_of_the_step():
     assert total[1:] == ["2.500", "1.250"]
     row = next(line for line in text if line.startswith("its FLOPs at peak")).split()
     assert row[-4:] == ["3.000", "120%", "1.000", "80%"]  # a counted more than its peak allows: shown, not hidden
+
+
+def test_table_states_the_ceiling_the_competitors_step_over_our_floor():
+    text = table(_clock(), ["a", "b"], 100e9).splitlines()
+    ceiling = next(line for line in text if line.startswith("ceiling:"))
+    assert "a's step / b's floor = 2.50x" in ceiling  # 2.5 s per step of a over b's 1.0 s floor
+    assert not any(line.startswith("ceiling:") for line in table(_clock(), ["a"], 100e9).splitlines())

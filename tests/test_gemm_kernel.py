@@ -35,7 +35,7 @@ def _bound(x, w, b, r):
 
 # rows: 1, tiles of fewer rows (up to 6 per tile, a chunk's rows spread evenly over its tiles), exact tiles, more than one chunk of 384 rows; columns: partial panels
 # (16 or 32 per panel) and several; K odd, small and the model's
-SHAPES = [(1, 5, 7), (7, 33, 64), (12, 16, 3), (13, 100, 576), (64, 960, 576), (31, 576, 1536), (400, 40, 20)]
+SHAPES = [(1, 5, 7), (7, 33, 64), (12, 16, 3), (13, 100, 576), (25, 48, 100), (64, 960, 576), (31, 576, 1536), (400, 40, 20)]
 
 
 @needs_kernel

@@ -68,6 +68,16 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vzero() { return _mm256_setzero_ps(); }
 #endif
 constexpr int NV = 2, NR = NV * VL, MR = 6;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// bf16 x over float32 panels (the engine's widened weights): x is widened into a buffer anyway, so it is laid out
+// tile by tile, k-major (element (i, k) of a tile of R rows at k*R + i): R broadcasts from one pointer, and tiles of up
+// to 12 rows (24 accumulators of AVX-512's 32 registers; 6 rows read each panel line twice as often)
+constexpr bool PACK_X = true;
+constexpr int MRW = 12;
+#else
+constexpr bool PACK_X = false;  // AVX2 (16 registers): 6-row tiles read in place from the widened rows
+constexpr int MRW = MR;
+#endif
 constexpr int64_t MC = 384;  // rows per chunk: 384 × K floats of x stay in L2/L3 while every panel passes
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -102,9 +112,9 @@ inline void step(const Tile<float, O>& t, int64_t k, V (&acc)[R][NV]) {
   V b[NV];
 #pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) b[j] = vload(t.b + k * NR + j * VL);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
-    const V a = vbcast(t.a + i * t.lda + k);
+    const V a = PACK_X && !std::is_same_v<O, float> ? vbcast(t.a + k * R + i) : vbcast(t.a + i * t.lda + k);
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = vfma(a, b[j], acc[i][j]);
   }
@@ -116,7 +126,7 @@ inline void step(const Tile<uint16_t, O>& t, int64_t s, V (&acc)[R][NV]) {
   __m512bh b[NV];
 #pragma GCC unroll 4
   for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(t.b + (s * NR + j * VL) * 2);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     int32_t pair;
     std::memcpy(&pair, t.a + i * t.lda + 2 * s, 4);
@@ -138,7 +148,7 @@ inline void glu_store(const Tile<T, O>& t, V (&acc)[R][NV]) {
   using posttrain_vec::round_bf;
   using posttrain_vec::vec;
   vec g[R], u[R];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     g[i] = (vec)acc[i][0];
     u[i] = (vec)acc[i][1];
@@ -153,7 +163,7 @@ inline void glu_store(const Tile<T, O>& t, V (&acc)[R][NV]) {
   else
     for (int i = 0; i < R; ++i)
       for (int l = 0; l < VL; ++l) g[i][l] = posttrain_bf16::silu(g[i][l]);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     const vec h = round_bf(g[i]) * round_bf(u[i]);
     if constexpr (std::is_same_v<O, uint16_t>)
@@ -166,9 +176,9 @@ inline void glu_store(const Tile<T, O>& t, V (&acc)[R][NV]) {
 // R rows (1..MR) of a tile: acc = Σ_k x[:, k] ⊗ panel[k, :], then + bias, + residual (in float32), stored (only
 // `cols` columns; bf16 outputs rounded once, to nearest even), or the SwiGLU epilogue (glu_exp >= 0).
 template <int R, typename T, typename O>
-void micro(const Tile<T, O>& t) {
+__attribute__((noinline)) void micro(const Tile<T, O>& t) {  // inlined into a caller, GCC spills accumulators
   V acc[R][NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[i][j] = vzero();
@@ -186,7 +196,7 @@ void micro(const Tile<T, O>& t) {
     glu_store<R>(t, acc);
     return;
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     alignas(64) float row[NR];
 #pragma GCC unroll 4
@@ -202,6 +212,14 @@ void micro(const Tile<T, O>& t) {
 template <typename T, typename O>
 void run_tile(const Tile<T, O>& t, int64_t rows) {
   switch (rows) {
+#if defined(__AVX512F__)
+    case 12: micro<12>(t); break;
+    case 11: micro<11>(t); break;
+    case 10: micro<10>(t); break;
+    case 9: micro<9>(t); break;
+    case 8: micro<8>(t); break;
+    case 7: micro<7>(t); break;
+#endif
     case 6: micro<6>(t); break;
     case 5: micro<5>(t); break;
     case 4: micro<4>(t); break;
@@ -211,6 +229,49 @@ void run_tile(const Tile<T, O>& t, int64_t rows) {
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 x 16 transpose of floats: out[c] lane i = in[i] lane c
+inline void transpose16(const __m512 (&in)[16], __m512 (&out)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xee);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44), w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xee);
+    out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    out[4 + k] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
+    out[8 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
+  }
+}
+
+// rows (<= 16) bf16 rows of x (row stride K) -> out (K, rows) float32, k-major (exact widening); writes up to 16 - rows
+// floats past the end (the next tile's start, packed after it, or the buffer's slack)
+inline void pack_tile(const uint16_t* x, int64_t rows, int64_t K, float* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, K - k0);
+    const __mmask16 m = static_cast<__mmask16>((1u << nk) - 1u);
+    __m512 in[16], tr[16];
+    for (int64_t r = 0; r < 16; ++r)
+      in[r] = r < rows ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                             _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x + r * K + k0)), 16))
+                       : _mm512_setzero_ps();
+    transpose16(in, tr);
+    for (int64_t j = 0; j < nk; ++j) _mm512_storeu_ps(out + (k0 + j) * rows, tr[j]);  // in k order: overlaps are rewritten
+  }
+}
+#else
+inline void pack_tile(const uint16_t*, int64_t, int64_t, float*) {}  // PACK_X is false here
+#endif
+
 // Rows [m0, m0 + mc) of x (M, K) as the panels' type T: x itself, or bf16 x over float32 panels widened (exactly)
 // into this thread's buffer, once per call and chunk: each thread reads the whole chunk at every panel.
 template <typename T, typename O>
@@ -219,11 +280,19 @@ const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K, int64_t lda) {
     return A + m0 * lda;
   } else {
     thread_local std::vector<float> wide;
-    if (static_cast<int64_t>(wide.size()) < mc * K) wide.resize(mc * K);
+    if (static_cast<int64_t>(wide.size()) < mc * K + VL) wide.resize(mc * K + VL);  // + VL: pack_tile's last store
     const O* a = A + m0 * K;
     float* w = wide.data();
+    if constexpr (PACK_X) {
+      const int64_t tiles = (mc + MRW - 1) / MRW;
+      for (int64_t i = 0; i < tiles; ++i) {  // the tiles `drive` makes of this chunk
+        const int64_t row = i * (mc / tiles) + std::min(i, mc % tiles), rows = mc / tiles + (i < mc % tiles);
+        pack_tile(a + row * K, rows, K, w + row * K);
+      }
+    } else {
 #pragma omp simd
-    for (int64_t i = 0; i < mc * K; ++i) w[i] = posttrain_bf16::to_f(a[i]);
+      for (int64_t i = 0; i < mc * K; ++i) w[i] = posttrain_bf16::to_f(a[i]);
+    }
     return w;
   }
 }
@@ -279,7 +348,8 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
   const int64_t ldc = glu ? N / 2 : N, width = glu ? VL : NR;
   std::vector<float> chunk(TA ? std::min(MC, M) * K : 0);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
-    const int64_t mc = std::min(MC, M - m0), tiles = (mc + MR - 1) / MR;
+    constexpr int mr = std::is_same_v<T, O> ? MR : MRW;
+    const int64_t mc = std::min(MC, M - m0), tiles = (mc + mr - 1) / mr;
     if constexpr (TA) transpose_rows(A, M, K, m0, mc, chunk.data());
     posttrain_par::claimed_for(P, [&](int64_t) {  // threads claim panels one at a time
       const T* a;
@@ -292,9 +362,9 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
                      bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = q < P ? reinterpret_cast<const char*>(B + q * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
-          // the chunk's rows spread evenly over its tiles (6 and 5 rows, never a short tail: a 4-row tile keeps only 8
-          // FMAs in flight, under Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows as 10 x 6 + 4 ran 7% slower
-          // than 60 or 66 rows)
+          // the chunk's rows spread evenly over its tiles (64 rows: 6 and 5, or 11 and 10 for packed x; never a short
+          // tail: a 4-row tile keeps only 8 FMAs in flight, under Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows
+          // as 10 x 6 + 4 ran 7% slower than 60 or 66 rows). rows_as packs x by these same tiles.
           const int64_t row = m0 + i * (mc / tiles) + std::min(i, mc % tiles), rows = mc / tiles + (i < mc % tiles);
           const int64_t first = lines * i / tiles, last = lines * (i + 1) / tiles;
           t.a = a + (row - m0) * ld;

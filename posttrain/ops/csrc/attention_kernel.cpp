@@ -26,6 +26,7 @@
 
 #include "bf16.h"
 #include "claimed.h"
+#include "transpose.h"
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
 #define POSTTRAIN_GROUP_ATTENTION 1
@@ -126,28 +127,7 @@ void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float s
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define POSTTRAIN_ATTN_DPBF16 1
-// 16 x 16 transpose of 32-bit values: out[c] lane i = in[i] lane c
-inline void transpose16(const __m512i (&in)[16], __m512i (&out)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(in[2 * i], in[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(in[2 * i], in[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xee);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44), w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xee);
-    out[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    out[4 + k] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
-    out[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    out[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-  }
-}
+using posttrain_simd::transpose16;
 
 // scores with bf16 dot products (vdpbf16ps): S[r*lds + c] = scale * <q_r, key(c)>, q_r = qrow[r] (D bf16), for
 // r < R, c < nk. A block of 16 keys is transposed once into Kt (D/2 vectors: pair j of the 16 keys), then each row

@@ -44,6 +44,7 @@
 
 #include "bf16.h"
 #include "claimed.h"
+#include "transpose.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -230,28 +231,7 @@ void run_tile(const Tile<T, O>& t, int64_t rows) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-// 16 x 16 transpose of floats: out[c] lane i = in[i] lane c
-inline void transpose16(const __m512 (&in)[16], __m512 (&out)[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i+3
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  for (int k = 0; k < 4; ++k) {  // column 4L + k: lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
-    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xee);
-    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44), w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xee);
-    out[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
-    out[4 + k] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
-    out[8 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
-    out[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
-  }
-}
+using posttrain_simd::transpose16;
 
 // rows (<= 16) bf16 rows of x (row stride K) -> out (K, rows) float32, k-major (exact widening); writes up to 16 - rows
 // floats past the end (the next tile's start, packed after it, or the buffer's slack)
@@ -272,6 +252,17 @@ inline void pack_tile(const uint16_t* x, int64_t rows, int64_t K, float* out) {
 inline void pack_tile(const uint16_t*, int64_t, int64_t, float*) {}  // PACK_X is false here
 #endif
 
+// The chunk's mc rows spread evenly over its `tiles` row tiles: tile i's first row (in the chunk) and row count.
+// 64 rows: 6 and 5, or 11 and 10 for packed x; never a short tail (a 4-row tile keeps only 8 FMAs in flight, under
+// Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows as 10 x 6 + 4 ran 7% slower than 60 or 66 rows). `drive`
+// runs these tiles and `rows_as` packs x by them, so both call this.
+struct Span {
+  int64_t row, rows;
+};
+inline Span tile_span(int64_t i, int64_t mc, int64_t tiles) {
+  return {i * (mc / tiles) + std::min(i, mc % tiles), mc / tiles + (i < mc % tiles)};
+}
+
 // Rows [m0, m0 + mc) of x (M, K) as the panels' type T: x itself, or bf16 x over float32 panels widened (exactly)
 // into this thread's buffer, once per call and chunk: each thread reads the whole chunk at every panel.
 template <typename T, typename O>
@@ -286,8 +277,8 @@ const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K, int64_t lda) {
     if constexpr (PACK_X) {
       const int64_t tiles = (mc + MRW - 1) / MRW;
       for (int64_t i = 0; i < tiles; ++i) {  // the tiles `drive` makes of this chunk
-        const int64_t row = i * (mc / tiles) + std::min(i, mc % tiles), rows = mc / tiles + (i < mc % tiles);
-        pack_tile(a + row * K, rows, K, w + row * K);
+        const Span s = tile_span(i, mc, tiles);
+        pack_tile(a + s.row * K, s.rows, K, w + s.row * K);
       }
     } else {
 #pragma omp simd
@@ -362,10 +353,8 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
                      bp ? bp + p * NR : nullptr, nullptr, nullptr, 0, glu_exp, p * VL};
         const char* next = q < P ? reinterpret_cast<const char*>(B + q * panel) : nullptr;
         for (int64_t i = 0; i < tiles; ++i) {
-          // the chunk's rows spread evenly over its tiles (64 rows: 6 and 5, or 11 and 10 for packed x; never a short
-          // tail: a 4-row tile keeps only 8 FMAs in flight, under Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows
-          // as 10 x 6 + 4 ran 7% slower than 60 or 66 rows). rows_as packs x by these same tiles.
-          const int64_t row = m0 + i * (mc / tiles) + std::min(i, mc % tiles), rows = mc / tiles + (i < mc % tiles);
+          const Span s = tile_span(i, mc, tiles);
+          const int64_t row = m0 + s.row, rows = s.rows;
           const int64_t first = lines * i / tiles, last = lines * (i + 1) / tiles;
           t.a = a + (row - m0) * ld;
           t.c = C + row * ldc + p * width;

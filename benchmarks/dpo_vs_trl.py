@@ -45,7 +45,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
-from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
+from phases import Allocator, PhaseClock, Trace, alternate, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 LR, BETA = 5e-7, 0.1
@@ -112,7 +112,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import datasets
-    from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import DPOTrainer
 
@@ -147,43 +146,15 @@ def main() -> None:
 
             DPOTrainer._precompute_ref_logps = timed
 
-        class Alternate(TrainerCallback):
-            """At every TRL step end: note TRL's step time, then run one posttrain step."""
-
-            def __init__(self):
-                self.mark, self.trl, self.pt, self.pt_rows, self.trl_logps = None, [], [], [], []
-
-            def on_train_begin(self, a, state, control, **kw):
-                malloc.side("trl")
-                self.mark = time.perf_counter()
-
-            def on_step_begin(self, a, state, control, **kw):
-                if len(self.pt) == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
-                    trace.start("trl")
-                clock.start("trl", counting=len(self.pt) >= args.warmup)
-
-            def on_step_end(self, a, state, control, **kw):
-                clock.stop()
-                trace.stop()
-                t = time.perf_counter()
-                self.trl.append(t - self.mark)
-                m = trainer._metrics["train"]
-                self.trl_logps.append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
-                if len(self.pt) == args.warmup - 1:
-                    trace.start("posttrain")
-                malloc.side("posttrain")
-                with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
-                    row = dpo.dpo_step(run, len(self.pt))
-                malloc.side("trl")
-                trace.stop()
-                self.pt.append(time.perf_counter() - t)
-                self.pt_rows.append(row)
-                print(f"step {len(self.pt):3d}  trl {self.trl[-1]:6.2f}s  posttrain {self.pt[-1]:6.2f}s", flush=True)
-                self.mark = time.perf_counter()
-
         clock, trace = PhaseClock(), Trace(args.profile)
         malloc = Allocator(args.shared_malloc)
-        alt = Alternate()
+
+        def trl_metrics():  # TRL's mean log-probs of each step, to compare the first with posttrain's
+            m = trainer._metrics["train"]
+            alt.trl_logps.append((m["logps/chosen"][-1], m["logps/rejected"][-1]))
+
+        alt = alternate(clock, trace, malloc, args.warmup, lambda i: dpo.dpo_step(run, i), after_trl=trl_metrics)
+        alt.trl_logps = []
         ds = datasets.Dataset.from_list([pairs[i] for i in order])
         policy = stock_model(args.model)
         # TRL builds its reference from the policy's path; a model built from a config (tiny-random) has none

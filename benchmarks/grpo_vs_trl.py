@@ -49,7 +49,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
-from phases import Allocator, PhaseClock, Trace, as_json, body_params, flops_forward, measure_peak, stock_model, table
+from phases import Allocator, PhaseClock, Trace, alternate, as_json, body_params, flops_forward, measure_peak, stock_model, table
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS, GROUP, MAX_NEW, LR = 4, 8, 24, 5e-6
@@ -130,7 +130,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import datasets
-    from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -165,48 +164,16 @@ def main() -> None:
 
         clock, trace = PhaseClock(), Trace(args.profile)
 
-        class Alternate(TrainerCallback):
-            """At every TRL step end: note TRL's step time, then run one posttrain step."""
-
-            def __init__(self):
-                self.mark, self.trl, self.pt, self.pt_rows, self.trainer = None, [], [], [], None
-
-            def on_train_begin(self, a, state, control, **kw):
-                malloc.side("trl")
-                self.mark = time.perf_counter()
-
-            def on_step_begin(self, a, state, control, **kw):
-                if len(self.pt) == args.warmup - 1:  # the last warm-up step: the trace does not skew the timing
-                    trace.start("trl")
-                clock.start("trl", counting=len(self.pt) >= args.warmup)
-
-            def on_step_end(self, a, state, control, **kw):
-                clock.stop()
-                trace.stop()
-                t = time.perf_counter()
-                self.trl.append(t - self.mark)
-                if len(self.pt) == args.warmup - 1:
-                    trace.start("posttrain")
-                malloc.side("posttrain")
-                with clock.step("posttrain", counting=len(self.pt) >= args.warmup):
-                    row = rl.rl_step(run, len(self.pt))
-                malloc.side("trl")
-                trace.stop()
-                t2 = time.perf_counter()
-                self.pt.append(t2 - t)
-                self.pt_rows.append(row)
-                trl_r = self.trainer._metrics["train"]["reward"][-1]  # this step's; TRL logs it after on_step_end
-                print(f"step {len(self.pt):3d}  trl {self.trl[-1]:6.2f}s  posttrain {self.pt[-1]:6.2f}s  "
-                      f"reward trl {trl_r:.3f} posttrain {row['reward/mean']:.3f}", flush=True)
-                self.mark = time.perf_counter()
-
         malloc = Allocator(args.shared_malloc)
-        alt = Alternate()
+
+        def rewards(row: dict) -> str:  # TRL logs this step's reward before the callback's step end
+            return f"  reward trl {trainer._metrics['train']['reward'][-1]:.3f} posttrain {row['reward/mean']:.3f}"
+
+        alt = alternate(clock, trace, malloc, args.warmup, lambda i: rl.rl_step(run, i), line=rewards)
         targs = GRPOConfig(output_dir=f"{tmp}/trl", **task, **({} if args.trl_defaults else equal))
         trainer = GRPOTrainer(model=stock_model(args.model), reward_funcs=[math], args=targs, train_dataset=ds,
                               processing_class=load_tokenizer(args.model), callbacks=[alt])
         trainer.remove_callback(PrinterCallback)  # our own per-step line instead of TRL's log dicts
-        alt.trainer = trainer
         trl_gen: list[float] = []
         generate_and_score = trainer._generate_and_score_completions
 

@@ -267,3 +267,48 @@ class Trace:
         print(self.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
         self.done.add(self.side)
         self.prof, self.side = None, None
+
+
+def alternate(clock: PhaseClock, trace: Trace, malloc: Allocator, warmup: int, posttrain_step: Callable[[int], dict],
+              after_trl: Callable[[], None] | None = None, line: Callable[[dict], str] | None = None):
+    """A transformers TrainerCallback that runs one posttrain step right after each TRL step, so the two sides
+    alternate in one process and are timed the same way: `.trl` and `.pt` seconds per step, `.pt_rows` posttrain's
+    metric rows. posttrain_step(i) -> row; after_trl() runs at TRL's step end, before posttrain's step (to read
+    TRL's metrics of that step); line(row) adds to the step's printed line. The profiler trace (`Trace`) covers
+    the first step after the warm-up on each side."""
+    from transformers import TrainerCallback
+
+    class Alternate(TrainerCallback):
+        def __init__(self):
+            self.mark, self.trl, self.pt, self.pt_rows = None, [], [], []
+
+        def on_train_begin(self, a, state, control, **kw):
+            malloc.side("trl")
+            self.mark = time.perf_counter()
+
+        def on_step_begin(self, a, state, control, **kw):
+            if len(self.pt) == warmup - 1:  # the last warm-up step: the trace does not skew the timing
+                trace.start("trl")
+            clock.start("trl", counting=len(self.pt) >= warmup)
+
+        def on_step_end(self, a, state, control, **kw):
+            clock.stop()
+            trace.stop()
+            t = time.perf_counter()
+            self.trl.append(t - self.mark)
+            if after_trl is not None:
+                after_trl()
+            if len(self.pt) == warmup - 1:
+                trace.start("posttrain")
+            malloc.side("posttrain")
+            with clock.step("posttrain", counting=len(self.pt) >= warmup):
+                row = posttrain_step(len(self.pt))
+            malloc.side("trl")
+            trace.stop()
+            self.pt.append(time.perf_counter() - t)
+            self.pt_rows.append(row)
+            extra = line(row) if line is not None else ""
+            print(f"step {len(self.pt):3d}  trl {self.trl[-1]:6.2f}s  posttrain {self.pt[-1]:6.2f}s{extra}", flush=True)
+            self.mark = time.perf_counter()
+
+    return Alternate()

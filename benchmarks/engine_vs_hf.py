@@ -17,7 +17,8 @@ lm_head, on random rows of the decode batch, weights streamed from memory as in 
 what a decode step would take with nothing but its matmuls (against the higher of the median repeat's peak and one
 measured right after the linears). Prefill is
 reported the same way (each prompt once), and decode's memory side: the bytes a step must read at least
-(every weight once, each sample's KV over its context) per second, against a large copy's bandwidth.
+(every weight once, each sample's KV over its context) per second, against a large copy's bandwidth. On CPU the
+decode attention alone too (`engine_attention.py`, every layer, halfway through the new tokens, KV hot).
 Writes benchmarks/results/engine_vs_hf.json.
 """
 
@@ -222,6 +223,24 @@ def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
     return best, 2 * rows * sum(_weight(m).numel() for lin in linears for m in lin.mods)
 
 
+def attention_alone(model, result: dict) -> dict:
+    """The decode attention of one step alone, every layer, at this run's shape halfway through the new tokens (KV
+    hot): `engine_attention.compare`, the group kernel against torch SDPA over the same KV. Empty where the step
+    does not run that kernel (not a CPU, one sample per prompt, or the kernel not built)."""
+    cfg, dtype = model.config, next(model.parameters()).dtype
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    device = next(model.parameters()).device
+    if device.type != "cpu" or result["samples"] < 2 or not cpu_kernels.group_attention_runs(device, dtype, hd):
+        return {}
+    from engine_attention import compare as attention_compare  # (it imports this file)
+
+    r = attention_compare(result["prompt_lens"], result["samples"], result["new_tokens"] // 2, cfg.num_attention_heads,
+                          cfg.num_key_value_heads, hd, dtype, reps=100)
+    layers = cfg.num_hidden_layers
+    return {"attention_alone_ms": r["ours_us"] * layers / 1e3, "attention_sdpa_ms": r["sdpa_us"] * layers / 1e3,
+            "attention_over_peak": r["ours_over_peak"]}
+
+
 def copy_bandwidth(device, mib: int = 256, reps: int = 5) -> float:
     """Bytes/s of a large tensor copy (read + write) on `device`, best of `reps`."""
     src = torch.empty(mib << 20, dtype=torch.uint8, device=device)
@@ -244,6 +263,10 @@ def report(result: dict, dtype: str) -> None:
           f"{r['decode_flops_over_peak']:.1%} (median of the repeats: {each}; peaks {' '.join(f'{p:.0f}' for p in r['peaks_gflops'])})")
     print(f"decode ceiling  : the linears alone {r['linears_alone_ms']:.1f} ms/step = {r['linears_alone_gflops']:.1f} GFLOP/s = "
           f"{r['linears_alone_over_peak']:.1%} of peak; the whole decode step {r['decode_step_ms']:.1f} ms")
+    if "attention_alone_ms" in r:
+        print(f"decode attention: {r['attention_alone_ms']:.1f} ms/step alone halfway through the new tokens (KV hot) = "
+              f"{r['attention_over_peak']:.1%} of peak; torch SDPA over the same KV {r['attention_sdpa_ms']:.1f} ms "
+              f"(benchmarks/engine_attention.py)")
     print(f"decode memory   : >= {r['decode_min_gbs']:.1f} GB/s of weights + KV read / {r['copy_bandwidth_gbs']:.1f} GB/s copy bandwidth = {r['decode_bytes_over_bandwidth']:.1%}")
     print(f"engine metrics  : {json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in m.items()})}")
 
@@ -265,6 +288,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_model(args.model, dtype=args.dtype, device=args.device).eval()
     result = {"model": args.model, **compare(model, load_tokenizer(args.model), args.prompts, args.samples, args.new_tokens, args.repeats)}
+    result.update(attention_alone(model, result))
     report(result, args.dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -21,3 +21,28 @@ def test_group_and_per_sample_layouts_give_the_same_attention(own):
     if own:
         k = group["k_cache"]
         assert torch.equal(k[1, :, 7 + 2: 7 + 2 + 3 * own: 3], sdpa["k"][5, :, 7:7 + own])
+
+
+def test_engine_vs_hf_states_the_attention_alone_at_its_shape(monkeypatch):
+    import engine_attention
+    import engine_vs_hf
+
+    from posttrain.models.builtin import build_tiny
+
+    model = build_tiny("tiny-random").eval()
+    cfg = model.config
+    run = {"prompt_lens": [5, 9], "samples": 4, "new_tokens": 10}
+    assert engine_vs_hf.attention_alone(model, {**run, "samples": 1}) == {}  # one sample a prompt: no group KV
+    if not cpu_kernels.group_attention_runs(torch.device("cpu"), torch.float32, cfg.hidden_size // cfg.num_attention_heads):
+        pytest.skip("group_attention kernel not built here")
+    seen = {}
+
+    def fake_compare(lens, samples, own, H, KV, D, dtype, reps):  # the shape it asks for; no timing in a test
+        seen.update(lens=lens, samples=samples, own=own, heads=(H, KV))
+        return {"ours_us": 100.0, "sdpa_us": 250.0, "ours_over_peak": 0.25}
+
+    monkeypatch.setattr(engine_attention, "compare", fake_compare)
+    got = engine_vs_hf.attention_alone(model, run)
+    assert seen == {"lens": [5, 9], "samples": 4, "own": 5, "heads": (cfg.num_attention_heads, cfg.num_key_value_heads)}
+    layers = cfg.num_hidden_layers
+    assert got == pytest.approx({"attention_alone_ms": 0.1 * layers, "attention_sdpa_ms": 0.25 * layers, "attention_over_peak": 0.25})

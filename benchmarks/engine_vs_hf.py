@@ -226,11 +226,13 @@ def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
 def attention_alone(model, result: dict) -> dict:
     """The decode attention of one step alone, every layer, at this run's shape halfway through the new tokens (KV
     hot): `engine_attention.compare`, the group kernel against torch SDPA over the same KV. Empty where the step
-    does not run that kernel (not a CPU, one sample per prompt, or the kernel not built)."""
+    does not run that kernel (not a CPU, one sample per prompt, attention logits soft-capped, or the kernel not
+    built: the runner's masked SDPA runs there instead)."""
     cfg, dtype = model.config, next(model.parameters()).dtype
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     device = next(model.parameters()).device
-    if device.type != "cpu" or result["samples"] < 2 or not cpu_kernels.group_attention_runs(device, dtype, hd):
+    capped = getattr(cfg, "attn_logit_softcapping", None) is not None
+    if device.type != "cpu" or result["samples"] < 2 or capped or not cpu_kernels.group_attention_runs(device, dtype, hd):
         return {}
     from engine_attention import compare as attention_compare  # (it imports this file)
 

@@ -33,6 +33,7 @@ def test_engine_vs_hf_states_the_attention_alone_at_its_shape(monkeypatch):
     cfg = model.config
     run = {"prompt_lens": [5, 9], "samples": 4, "new_tokens": 10}
     assert engine_vs_hf.attention_alone(model, {**run, "samples": 1}) == {}  # one sample a prompt: no group KV
+    assert engine_vs_hf.attention_alone(build_tiny("tiny-random-gemma2").eval(), run) == {}  # soft-capped: masked SDPA
     if not cpu_kernels.group_attention_runs(torch.device("cpu"), torch.float32, cfg.hidden_size // cfg.num_attention_heads):
         pytest.skip("group_attention kernel not built here")
     seen = {}

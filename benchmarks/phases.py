@@ -275,7 +275,7 @@ def alternate(clock: PhaseClock, trace: Trace, malloc: Allocator, warmup: int, p
     alternate in one process and are timed the same way: `.trl` and `.pt` seconds per step, `.pt_rows` posttrain's
     metric rows. posttrain_step(i) -> row; after_trl() runs at TRL's step end, before posttrain's step (to read
     TRL's metrics of that step); line(row) adds to the step's printed line. The profiler trace (`Trace`) covers
-    the first step after the warm-up on each side."""
+    the last warm-up step of each side, so tracing does not skew the timed steps."""
     from transformers import TrainerCallback
 
     class Alternate(TrainerCallback):

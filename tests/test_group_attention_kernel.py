@@ -73,7 +73,8 @@ def _bound(c, ref, dtype):
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(G=1, KV=4), dict(G=4, W=8), dict(G=7, KV=2), dict(G=9, KV=1),
-                                   dict(D=128, G=2), dict(D=80, G=3), dict(idle={(0, 1), (1, 0), (1, 3), (2, 2)})])
+                                   dict(D=128, G=2), dict(D=80, G=3), dict(idle={(0, 1), (1, 0), (1, 3), (2, 2)}),
+                                   dict(W=8, t=20), dict(t=30)])
 @pytest.mark.parametrize("window", [None, 4, 12])
 def test_group_attention_equals_visible_keys_attention(shape, window):
     c = _case(**shape)
@@ -118,3 +119,29 @@ def test_runs_only_where_it_can():
     assert not K.group_attention_runs(torch.device("cpu"), torch.bfloat16, 72)  # D not a multiple of 16
     assert not K.group_attention_runs(torch.device("cpu"), torch.float16, 64)
     assert not K.group_attention_runs(torch.device("meta"), torch.bfloat16, 64)
+
+
+
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("R,n", [(1, 1), (5, 15), (6, 16), (7, 17), (24, 40)])
+@pytest.mark.parametrize("scale", [1.0, 3e-38, 1e-20, 1e4])
+@pytest.mark.parametrize("scaled", [slice(None, None, 2), slice(None)])
+def test_prompt_scores_from_fmas_equal_vdpbf16ps(D, R, n, scale, scaled):
+    """AVX-512 BF16 builds score the shared prompt keys with vdpbf16ps, or (on Intel, where it runs at half the
+    FMA rate) with float32 FMAs that add the same exact products in the same order, denormals flushed as
+    vdpbf16ps flushes them: the scores must be equal bit for bit, at any magnitude (3e-38: queries and products
+    in the denormal range; 1e-20: products near it; 1e4: large sums). Every element scaled, or every other one:
+    then each dot product mixes magnitudes and its rounding depends on the order of the adds."""
+    module = K.load()
+    g = torch.Generator().manual_seed(D * 1000 + R * 10 + n)
+    q = torch.randn(R, D, generator=g)
+    q[:, scaled] *= scale
+    keys = torch.randn(n, D, generator=g)
+    q, keys = q.bfloat16(), keys.bfloat16()
+    if module is None or module.prompt_scores(q, keys, 0.125, True).numel() == 0:
+        pytest.skip("no AVX-512 BF16 build here: one prompt-score loop only")
+    fma, dp = module.prompt_scores(q, keys, 0.125, True), module.prompt_scores(q, keys, 0.125, False)
+    assert fma.shape == (R, n) and torch.equal(fma, dp)
+    exact = q.double() @ keys.double().T * 0.125
+    if scale >= 1e-20:  # and they are the scores (float32 sums of D exact products)
+        assert ((fma.double() - exact).abs() <= D * 2**-23 * (q.double().abs() @ keys.double().abs().T) * 0.125).all()

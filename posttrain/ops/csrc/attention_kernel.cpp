@@ -11,7 +11,8 @@
 //   out   : softmax over [S_p | S_m] (float32, SLEEF exp), O = P V, cast to the cache dtype
 //
 // with the new token's k/v written into the region first (it is the last own key). bf16 with AVX-512 BF16: the
-// scores are vdpbf16ps dot products of the bf16 q and keys (exact products, float32 sums; `scores_bf16`).
+// scores are vdpbf16ps dot products of the bf16 q and keys (exact products, float32 sums; `scores_bf16`); on Intel
+// the shared prompt scores take the same values from float32 FMAs, twice vdpbf16ps's rate there (`scores_fma`).
 // Windows (sliding attention): key position p visible to query position q iff q - p < window, so each sample's
 // prompt and own ranges start later. Everything else in float32 (SDPA rounds the probabilities to bf16 before P V; this
 // does not), scores scaled after the dot product as SDPA does. Threads claim tasks one at a time (claimed.h).
@@ -129,26 +130,32 @@ void scores(const float* Q, int64_t R, int64_t D, KeyAt key, int64_t nk, float s
 #define POSTTRAIN_ATTN_DPBF16 1
 using posttrain_simd::transpose16;
 
+// A block of 16 keys (from c0; a short block repeats its last key) as D/2 vectors of key pairs: put(j, v) gets pair j
+// of the 16 keys (lane c: key c's elements 2j and 2j+1, 32 bits). The next block's keys are prefetched first.
+template <typename KeyAt, typename Put>
+void key_pairs(KeyAt key, int64_t c0, int64_t nk, int64_t D, Put put) {
+  const int64_t nb = std::min<int64_t>(16, nk - c0), lines = D * 2 / 64;
+  for (int64_t c = c0 + 16; c < std::min(nk, c0 + 32); ++c)
+    for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(key(c)) + 64 * l, _MM_HINT_T0);
+  for (int64_t j0 = 0; j0 < D / 2; j0 += 16) {  // 16 pairs (32 dims) of the 16 keys at a time
+    __m512i in[16], out[16];
+    for (int64_t c = 0; c < 16; ++c) in[c] = _mm512_loadu_si512(key(c0 + std::min(c, nb - 1)) + 2 * j0);
+    transpose16(in, out);
+    for (int64_t j = 0; j < 16; ++j) put(j0 + j, out[j]);
+  }
+}
+
 // scores with bf16 dot products (vdpbf16ps): S[r*lds + c] = scale * <q_r, key(c)>, q_r = qrow[r] (D bf16), for
-// r < R, c < nk. A block of 16 keys is transposed once into Kt (D/2 vectors: pair j of the 16 keys), then each row
-// takes D/2 vdpbf16ps with its pair j broadcast: each key's lane sums its exact products in float32, even and odd
-// pairs in two chains added at the end (8 independent chains for 4 rows: vdpbf16ps's latency is hidden). The next
-// block's keys are prefetched while a block is in use.
+// r < R, c < nk. Each block of 16 keys is transposed once into Kt (`key_pairs`), then each row takes D/2 vdpbf16ps
+// with its pair j broadcast: each key's lane sums its exact products in float32, even and odd pairs in two chains
+// added at the end (8 independent chains for 4 rows: vdpbf16ps's latency is hidden).
 template <typename KeyAt>
 void scores_bf16(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds,
                  float* Kt) {  // Kt: D/2 x 16 floats of scratch
-  const int64_t pairs = D / 2, lines = D * 2 / 64;
+  const int64_t pairs = D / 2;
   for (int64_t c0 = 0; c0 < nk; c0 += 16) {
     const int64_t nb = std::min<int64_t>(16, nk - c0);
-    for (int64_t c = c0 + 16; c < std::min(nk, c0 + 32); ++c)
-      for (int64_t l = 0; l < lines; ++l) _mm_prefetch(reinterpret_cast<const char*>(key(c)) + 64 * l, _MM_HINT_T0);
-    for (int64_t j0 = 0; j0 < pairs; j0 += 16) {  // 16 pairs (32 dims) of the 16 keys at a time
-      __m512i in[16], out[16];
-      for (int64_t c = 0; c < 16; ++c)
-        in[c] = _mm512_loadu_si512(key(c0 + std::min(c, nb - 1)) + 2 * j0);  // a short block repeats its last key
-      transpose16(in, out);
-      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(Kt + (j0 + j) * 16, out[j]);
-    }
+    key_pairs(key, c0, nk, D, [&](int64_t j, __m512i v) { _mm512_storeu_si512(Kt + j * 16, v); });
     for (int64_t r0 = 0; r0 < R; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, R - r0);
       __m512 even[4], odd[4];
@@ -174,25 +181,103 @@ void scores_bf16(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, i
   }
 }
 
+struct FlushDenormals {  // MXCSR's FTZ and DAZ for this thread while in scope
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// scores_bf16's values bit for bit from float32 FMAs, twice as fast where vdpbf16ps runs at half the FMA rate (Intel
+// without AMX: 2 cycles per vdpbf16ps against 0.5 per FMA, measured). vdpbf16ps adds to each lane the product of the
+// odd (high) elements, then that of the even ones, exact products with denormals flushed; here each pair lane of Kt
+// is split into two float32 lanes (odd, even) and each row adds the same two products in the same order to the same
+// two chains, with MXCSR's FTZ and DAZ set (`FlushDenormals`) while they run; their sum and the scaling after, as
+// there, without. Qf: the rows in float32 (R x D); Kt: D x 16 floats of scratch. Six rows at a time: 12 chains of 2
+// dependent FMAs per step.
+template <typename KeyAt>
+void scores_fma(const float* Qf, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds, float* Kt) {
+  const int64_t pairs = D / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  thread_local std::vector<float> odd_sums;  // the odd chains (R x lds), added to the even ones (in S) at the end
+  odd_sums.resize(std::max<size_t>(odd_sums.size(), R * lds));
+  float* O = odd_sums.data();
+  {
+    FlushDenormals ftz;  // for the chains only: their sum and scaling below run as scores_bf16's do
+    for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+      const int64_t nb = std::min<int64_t>(16, nk - c0);
+      key_pairs(key, c0, nk, D, [&](int64_t j, __m512i v) {  // pair j: odd elements at Kt + 32j, even ones after
+        _mm512_storeu_si512(Kt + j * 32, _mm512_and_si512(v, high));
+        _mm512_storeu_si512(Kt + j * 32 + 16, _mm512_slli_epi32(v, 16));
+      });
+      for (int64_t r0 = 0; r0 < R; r0 += 6) {
+        const int64_t nr = std::min<int64_t>(6, R - r0);
+        __m512 even[6], odd[6];
+        const float* q[6];
+        for (int i = 0; i < 6; ++i) {
+          q[i] = Qf + (r0 + std::min<int64_t>(i, nr - 1)) * D;
+          even[i] = odd[i] = _mm512_setzero_ps();
+        }
+        for (int64_t j = 0; j < pairs; j += 2) {  // pairs j (even chain) and j + 1 (odd chain)
+          const float* k = Kt + j * 32;
+          const __m512 h0 = _mm512_loadu_ps(k), l0 = _mm512_loadu_ps(k + 16), h1 = _mm512_loadu_ps(k + 32), l1 = _mm512_loadu_ps(k + 48);
+#pragma GCC unroll 6
+          for (int i = 0; i < 6; ++i) {
+            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][2 * j + 1]), h0, even[i]);
+            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][2 * j + 3]), h1, odd[i]);
+            even[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][2 * j]), l0, even[i]);
+            odd[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i][2 * j + 2]), l1, odd[i]);
+          }
+        }
+        const __mmask16 keep = static_cast<__mmask16>((1u << nb) - 1u);
+        for (int64_t i = 0; i < nr; ++i) {
+          _mm512_mask_storeu_ps(S + (r0 + i) * lds + c0, keep, even[i]);
+          _mm512_mask_storeu_ps(O + (r0 + i) * lds + c0, keep, odd[i]);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c0 = 0; c0 < nk; c0 += 16) {
+      const __mmask16 keep = nk - c0 >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (nk - c0)) - 1u);
+      float *s = S + r * lds + c0, *o = O + r * lds + c0;
+      _mm512_mask_storeu_ps(s, keep, _mm512_mul_ps(_mm512_add_ps(_mm512_maskz_loadu_ps(keep, s), _mm512_maskz_loadu_ps(keep, o)), _mm512_set1_ps(scale)));
+    }
+}
+
+bool fma_scores() {  // the prompt scores' loop: scores_fma on Intel, scores_bf16 elsewhere (AMD: vdpbf16ps at full rate)
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
+
 // The same scores for few rows (a sample's G own rows), without the transpose: per row, each key's D/32 vdpbf16ps
 // give 16 lane partials, and `lane_sums` adds the 16 keys' lanes at once (key c computed into slot REV[c]).
+// A last block of at most kFewTail keys sums each key's lanes alone (`_mm512_reduce_add_ps`: the same tree as
+// lane_sums, so the same values): a block of 16 costs ~16 keys' dot products whatever its length (measured: up to
+// 12 keys the per-key sums are faster, at 15 they are even).
+constexpr int64_t kFewTail = 12;
 template <int NV32, typename KeyAt>
 void scores_bf16_few(const uint16_t* const* qrow, int64_t R, int64_t D, KeyAt key, int64_t nk, float scale, float* S, int64_t lds) {
   const int64_t nv = NV32 ? NV32 : D / 32;  // vectors of 32 bf16 per row (known at compile time for D = 64, 128)
+  auto dot = [&](const uint16_t* q, const uint16_t* k) {
+    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < nv; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + 32 * j), (__m512bh)_mm512_loadu_si512(k + 32 * j));
+    return acc;
+  };
   for (int64_t c0 = 0; c0 < nk; c0 += 16) {
     const int64_t nb = std::min<int64_t>(16, nk - c0);
+    if (nb <= kFewTail) {  // the last block
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t c = 0; c < nb; ++c) S[r * lds + c0 + c] = _mm512_reduce_add_ps(dot(qrow[r], key(c0 + c))) * scale;
+      break;
+    }
     const uint16_t* k[16];
     for (int64_t c = 0; c < 16; ++c) k[REV[c]] = key(c0 + std::min(c, nb - 1));  // a short block repeats its last key
     for (int64_t r = 0; r < R; ++r) {
       vec a[16];
 #pragma GCC unroll 16
-      for (int c = 0; c < 16; ++c) {
-        __m512 acc = _mm512_setzero_ps();
-#pragma GCC unroll 4
-        for (int64_t j = 0; j < nv; ++j)
-          acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qrow[r] + 32 * j), (__m512bh)_mm512_loadu_si512(k[c] + 32 * j));
-        a[c] = (vec)acc;
-      }
+      for (int c = 0; c < 16; ++c) a[c] = (vec)dot(qrow[r], k[c]);
       _mm512_mask_storeu_ps(S + r * lds + c0, static_cast<__mmask16>((1u << nb) - 1u), (__m512)(lane_sums(a) * scale));
     }
   }
@@ -230,6 +315,14 @@ void weighted_sum(const float* p, int64_t ldp, int64_t R, int64_t n, ValAt val, 
 }
 
 float row_max(const float* x, int64_t n) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {  // the tail masked: its missing lanes keep m
+    const __mmask16 k = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    m = _mm512_max_ps(_mm512_mask_loadu_ps(m, k, x + i), m);  // x > m ? x : m
+  }
+  return _mm512_reduce_max_ps(m);
+#else
   vec m = vec{} - INFINITY;
   int64_t i = 0;
   for (; i + VL <= n; i += VL) {
@@ -240,6 +333,7 @@ float row_max(const float* x, int64_t n) {
   for (int l = 0; l < VL; ++l) mx = m[l] > mx ? m[l] : mx;
   for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   return mx;
+#endif
 }
 
 template <typename T>
@@ -335,7 +429,13 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
     qrow.resize(R);
     for (size_t i = 0; i < rows.size(); ++i)
       for (int64_t j = 0; j < G; ++j) qrow[i * G + j] = bits(q_row(i, j));
-    scores_bf16(qrow.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
+    if (fma_scores()) {
+      for (int64_t r = 0; r < R; ++r)  // float32 queries
+        for (int64_t d = 0; d < D; d += VL) storev(Q.data() + r * D + d, loadv(qrow[r] + d));
+      scores_fma(Q.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
+    } else {
+      scores_bf16(qrow.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
+    }
     pf.upto(2, steps);
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
@@ -449,8 +549,37 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 
 bool group_attention_available() { return true; }
 
+// The two prompt-score loops of AVX-512 BF16 builds on their own, for the tests that hold them equal bit for bit:
+// q (R, D) and keys (n, D) bf16, D a multiple of 32 -> (R, n) float32 scores, from scores_fma (fma) or scores_bf16.
+// Builds without AVX-512 BF16 have neither and return an empty tensor.
+torch::Tensor prompt_scores(torch::Tensor q, torch::Tensor keys, double scale, bool fma) {
+#if defined(POSTTRAIN_ATTN_DPBF16)
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 && q.is_contiguous() && keys.is_contiguous() &&
+                  q.dim() == 2 && keys.dim() == 2 && q.size(1) == keys.size(1) && q.size(1) % 32 == 0 && keys.size(0) > 0,
+              "prompt_scores: contiguous bf16 q (R, D) and keys (n, D), D a multiple of 32");
+  const int64_t R = q.size(0), n = keys.size(0), D = q.size(1);
+  auto S = torch::empty({R, n}, q.options().dtype(at::kFloat));
+  std::vector<float> Kt(16 * D), Qf(R * D);
+  const auto* k = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto key = [&](int64_t c) { return k + c * D; };
+  if (fma) {
+    for (int64_t i = 0; i < R * D; ++i) Qf[i] = to_f(qp[i]);
+    scores_fma(Qf.data(), R, D, key, n, static_cast<float>(scale), S.data_ptr<float>(), n, Kt.data());
+  } else {
+    std::vector<const uint16_t*> rows(R);
+    for (int64_t r = 0; r < R; ++r) rows[r] = qp + r * D;
+    scores_bf16(rows.data(), R, D, key, n, static_cast<float>(scale), S.data_ptr<float>(), n, Kt.data());
+  }
+  return S;
+#else
+  return torch::empty({0});
+#endif
+}
+
 #else
 bool group_attention_available() { return false; }
+torch::Tensor prompt_scores(torch::Tensor, torch::Tensor, double, bool) { return torch::empty({0}); }
 torch::Tensor group_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                               torch::Tensor, double, int64_t) {
   TORCH_CHECK(false, "group_attention needs GCC >= 12 or Clang");

@@ -255,10 +255,12 @@ inline void pack_tile(const uint16_t*, int64_t, int64_t, float*) {}  // PACK_X i
 // The chunk's mc rows spread evenly over its `tiles` row tiles: tile i's first row (in the chunk) and row count.
 // 64 rows: 6 and 5, or 11 and 10 for packed x; never a short tail (a 4-row tile keeps only 8 FMAs in flight, under
 // Zen 2's 10 = 2 a cycle x 5 cycles of latency; 64 rows as 10 x 6 + 4 ran 7% slower than 60 or 66 rows). `drive`
-// runs these tiles and `rows_as` packs x by them, so both call this.
+// runs these tiles and `rows_as` packs x by them, so both call this, and `tiles_of` for the count (tiles of at most
+// mr rows).
 struct Span {
   int64_t row, rows;
 };
+inline int64_t tiles_of(int64_t mc, int64_t mr) { return (mc + mr - 1) / mr; }
 inline Span tile_span(int64_t i, int64_t mc, int64_t tiles) {
   return {i * (mc / tiles) + std::min(i, mc % tiles), mc / tiles + (i < mc % tiles)};
 }
@@ -275,7 +277,7 @@ const T* rows_as(const O* A, int64_t m0, int64_t mc, int64_t K, int64_t lda) {
     const O* a = A + m0 * K;
     float* w = wide.data();
     if constexpr (PACK_X) {
-      const int64_t tiles = (mc + MRW - 1) / MRW;
+      const int64_t tiles = tiles_of(mc, MRW);
       for (int64_t i = 0; i < tiles; ++i) {  // the tiles `drive` makes of this chunk
         const Span s = tile_span(i, mc, tiles);
         pack_tile(a + s.row * K, s.rows, K, w + s.row * K);
@@ -340,7 +342,7 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
   std::vector<float> chunk(TA ? std::min(MC, M) * K : 0);
   for (int64_t m0 = 0; m0 < M; m0 += MC) {
     constexpr int mr = std::is_same_v<T, O> ? MR : MRW;
-    const int64_t mc = std::min(MC, M - m0), tiles = (mc + mr - 1) / mr;
+    const int64_t mc = std::min(MC, M - m0), tiles = tiles_of(mc, mr);
     if constexpr (TA) transpose_rows(A, M, K, m0, mc, chunk.data());
     posttrain_par::claimed_for(P, [&](int64_t) {  // threads claim panels one at a time
       const T* a;

@@ -549,6 +549,15 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 
 bool group_attention_available() { return true; }
 
+// Whether group_attention scores the prompt with scores_fma on this CPU (the loop the tests hold to vdpbf16ps).
+bool attention_fma_scores() {
+#if defined(POSTTRAIN_ATTN_DPBF16)
+  return fma_scores();
+#else
+  return false;
+#endif
+}
+
 // The two prompt-score loops of AVX-512 BF16 builds on their own, for the tests that hold them equal bit for bit:
 // q (R, D) and keys (n, D) bf16, D a multiple of 32 -> (R, n) float32 scores, from scores_fma (fma) or scores_bf16.
 // Builds without AVX-512 BF16 have neither and return an empty tensor.
@@ -580,6 +589,7 @@ torch::Tensor prompt_scores(torch::Tensor q, torch::Tensor keys, double scale, b
 #else
 bool group_attention_available() { return false; }
 torch::Tensor prompt_scores(torch::Tensor, torch::Tensor, double, bool) { return torch::empty({0}); }
+bool attention_fma_scores() { return false; }
 torch::Tensor group_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                               torch::Tensor, double, int64_t) {
   TORCH_CHECK(false, "group_attention needs GCC >= 12 or Clang");

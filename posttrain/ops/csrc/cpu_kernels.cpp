@@ -173,6 +173,7 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
 bool group_attention_available();
 torch::Tensor prompt_scores(torch::Tensor q, torch::Tensor keys, double scale, bool fma);
+bool attention_fma_scores();
 // the engine's linears against packed weights, float32 or bf16 (gemm_kernel.cpp)
 torch::Tensor gemm_pack(torch::Tensor w, c10::optional<torch::Tensor> into);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
@@ -212,6 +213,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("prompt_scores", &prompt_scores, "group_attention's two prompt-score loops alone (float32 FMAs or vdpbf16ps), for "
         "the tests: bf16 q (R, D), keys (n, D) -> (R, n) float32; empty without AVX-512 BF16");
+  m.def("attention_fma_scores", &attention_fma_scores, "whether group_attention scores the prompt with float32 FMAs here (Intel)");
   m.def("gemm_pack", &gemm_pack, "weight (N, K) -> float32 panels (P, K, NR) for gemm_packed, into `into` if it fits",
         py::arg("w"), py::arg("into") = py::none());
   m.def("gemm_packed", &gemm_packed, "x (M, K) @ packed weight^T (+ bias) (+ residual) -> (M, N): float32, or bf16 panels and x; "

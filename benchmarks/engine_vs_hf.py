@@ -196,6 +196,7 @@ def compare(model, tok, prompts: int = 8, samples: int = 8, new_tokens: int = 64
         "linears_alone_over_peak": linear_flops / linears_s / linears_peak,
         "copy_bandwidth_gbs": bandwidth / 1e9, "decode_min_gbs": traffic / en_metrics["decode_s"] / 1e9,
         "decode_bytes_over_bandwidth": traffic / en_metrics["decode_s"] / bandwidth,
+        **attention_alone(engine.runner, lens, samples, new_tokens),
     }
 
 
@@ -223,22 +224,18 @@ def linears_alone(runner, rows: int, reps: int = 5) -> tuple[float, float]:
     return best, 2 * rows * sum(_weight(m).numel() for lin in linears for m in lin.mods)
 
 
-def attention_alone(model, result: dict) -> dict:
+def attention_alone(runner, prompt_lens: list[int], samples: int, new_tokens: int) -> dict:
     """The decode attention of one step alone, every layer, at this run's shape halfway through the new tokens (KV
     hot): `engine_attention.compare`, the group kernel against torch SDPA over the same KV. Empty where the step
-    does not run that kernel (not a CPU, one sample per prompt, attention logits soft-capped, or the kernel not
-    built: the runner's masked SDPA runs there instead)."""
-    cfg, dtype = model.config, next(model.parameters()).dtype
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    device = next(model.parameters()).device
-    capped = getattr(cfg, "attn_logit_softcapping", None) is not None
-    if device.type != "cpu" or result["samples"] < 2 or capped or not cpu_kernels.group_attention_runs(device, dtype, hd):
+    does not run that kernel: one sample per prompt (no group KV), or the runner's own choice against it
+    (`group_kernel`: not a CPU, attention logits soft-capped, or the kernel not built; masked SDPA runs there)."""
+    if samples < 2 or not runner.group_kernel:
         return {}
     from engine_attention import compare as attention_compare  # (it imports this file)
 
-    r = attention_compare(result["prompt_lens"], result["samples"], result["new_tokens"] // 2, cfg.num_attention_heads,
-                          cfg.num_key_value_heads, hd, dtype, reps=100)
-    layers = cfg.num_hidden_layers
+    r = attention_compare(prompt_lens, samples, new_tokens // 2, runner.n_heads, runner.n_kv, runner.head_dim, runner.dtype,
+                          reps=100)
+    layers = len(runner.layers)
     return {"attention_alone_ms": r["ours_us"] * layers / 1e3, "attention_sdpa_ms": r["sdpa_us"] * layers / 1e3,
             "attention_over_peak": r["ours_over_peak"]}
 
@@ -290,7 +287,6 @@ def main() -> None:
     torch.manual_seed(0)
     model = load_model(args.model, dtype=args.dtype, device=args.device).eval()
     result = {"model": args.model, **compare(model, load_tokenizer(args.model), args.prompts, args.samples, args.new_tokens, args.repeats)}
-    result.update(attention_alone(model, result))
     report(result, args.dtype)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

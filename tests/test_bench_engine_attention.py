@@ -28,13 +28,15 @@ def test_engine_vs_hf_states_the_attention_alone_at_its_shape(monkeypatch):
     import engine_vs_hf
 
     from posttrain.models.builtin import build_tiny
+    from posttrain.rollout.runner import Runner
 
-    model = build_tiny("tiny-random").eval()
-    cfg = model.config
+    runner = Runner(build_tiny("tiny-random").eval(), 16, 8, 64)
+    cfg = runner.layers[0].self_attn.config
     run = {"prompt_lens": [5, 9], "samples": 4, "new_tokens": 10}
-    assert engine_vs_hf.attention_alone(model, {**run, "samples": 1}) == {}  # one sample a prompt: no group KV
-    assert engine_vs_hf.attention_alone(build_tiny("tiny-random-gemma2").eval(), run) == {}  # soft-capped: masked SDPA
-    if not cpu_kernels.group_attention_runs(torch.device("cpu"), torch.float32, cfg.hidden_size // cfg.num_attention_heads):
+    assert engine_vs_hf.attention_alone(runner, **{**run, "samples": 1}) == {}  # one sample a prompt: no group KV
+    gemma2 = Runner(build_tiny("tiny-random-gemma2").eval(), 16, 8, 64)
+    assert engine_vs_hf.attention_alone(gemma2, **run) == {}  # soft-capped: masked SDPA
+    if not runner.group_kernel:
         pytest.skip("group_attention kernel not built here")
     seen = {}
 
@@ -43,7 +45,7 @@ def test_engine_vs_hf_states_the_attention_alone_at_its_shape(monkeypatch):
         return {"ours_us": 100.0, "sdpa_us": 250.0, "ours_over_peak": 0.25}
 
     monkeypatch.setattr(engine_attention, "compare", fake_compare)
-    got = engine_vs_hf.attention_alone(model, run)
+    got = engine_vs_hf.attention_alone(runner, **run)
     assert seen == {"lens": [5, 9], "samples": 4, "own": 5, "heads": (cfg.num_attention_heads, cfg.num_key_value_heads)}
     layers = cfg.num_hidden_layers
     assert got == pytest.approx({"attention_alone_ms": 0.1 * layers, "attention_sdpa_ms": 0.25 * layers, "attention_over_peak": 0.25})

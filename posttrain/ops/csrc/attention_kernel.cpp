@@ -15,7 +15,7 @@
 // the shared prompt scores take the same values from float32 FMAs, twice vdpbf16ps's rate there (`scores_fma`).
 // Windows (sliding attention): key position p visible to query position q iff q - p < window, so each sample's
 // prompt and own ranges start later. Everything else in float32 (SDPA rounds the probabilities to bf16 before P V; this
-// does not), scores scaled after the dot product as SDPA does. Threads claim tasks one at a time (claimed.h).
+// does not), scores scaled after the dot product as SDPA does. Threads claim runs of tasks (claimed.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -492,7 +492,7 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
 
 template <typename T>
 void run(const Job<T>& a, int64_t groups) {
-  posttrain_par::claimed_for(groups * a.KV, [&](int64_t first) {  // threads claim tasks one at a time
+  posttrain_par::claimed_for(groups * a.KV, [&](int64_t first) {  // threads claim runs of tasks
     region(a, first / a.KV, first % a.KV).upto(1, 1);  // a thread's first task's KV, all of it before it starts
     return [&](int64_t t, int64_t n) {  // task t; n: this thread's next task, whose KV t's steps prefetch
       Prefetch next = n < groups * a.KV ? region(a, n / a.KV, n % a.KV) : Prefetch{};

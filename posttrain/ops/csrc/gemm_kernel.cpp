@@ -6,7 +6,7 @@
 // Micro-kernel: MR = 6 rows × NR = 2 vectors (16 floats with AVX2, 32 with AVX-512): 12 accumulators, 2 panel
 // vectors and 1 broadcast row value in registers (15 of AVX2's 16), 12 FMAs per 2 vector loads + 6 broadcasts.
 // While a panel is in use, the next one is prefetched a few lines per k step (decode is also a weight stream).
-// Threads claim panels one at a time (claimed.h); rows go in chunks of MC so a chunk of x stays in cache across the
+// Threads claim runs of panels (claimed.h); rows go in chunks of MC so a chunk of x stays in cache across the
 // panels, and a chunk's rows are spread evenly over its ⌈rows / MR⌉ tiles (64 rows: 9 x 6 + 2 x 5, not 10 x 6 + 4).
 //
 // Every output is  y[m][n] = ((Σ_{k=0..K-1} x[m][k]·W[n][k]) + b[n]) + r[m][n]  with the sum a chain of float32 FMAs
@@ -344,7 +344,7 @@ void drive(const O* A, int64_t M, int64_t K, const T* B, int64_t P, int64_t step
     constexpr int mr = std::is_same_v<T, O> ? MR : MRW;
     const int64_t mc = std::min(MC, M - m0), tiles = tiles_of(mc, mr);
     if constexpr (TA) transpose_rows(A, M, K, m0, mc, chunk.data());
-    posttrain_par::claimed_for(P, [&](int64_t) {  // threads claim panels one at a time
+    posttrain_par::claimed_for(P, [&](int64_t) {  // threads claim runs of panels
       const T* a;
       if constexpr (TA)
         a = chunk.data();

@@ -10,7 +10,7 @@
 //   token = c*W + j, log-prob = y[token] - float(log(total))
 //
 // Only the order in which a chunk's float32 sum is added differs from torch's reduction, so a draw can
-// differ only where u*total falls within rounding of a CDF step. Threads claim rows one at a time (claimed.h).
+// differ only where u*total falls within rounding of a CDF step. Threads claim runs of rows (claimed.h).
 //
 // Also here: the trainer's kept softmax over the LM head's logits (`softmax_rows_`, ops/logprobs.py), the same
 // max / exp / sum passes over rows of float32 logits.
@@ -218,7 +218,7 @@ std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temp
   float* lpp = lp.data_ptr<float>();
   const bool bf16 = logits.scalar_type() == at::kBFloat16;
   const void* base = logits.data_ptr();
-  posttrain_par::claimed_for(N, [&](int64_t) {  // threads claim rows one at a time, each with its own buffers
+  posttrain_par::claimed_for(N, [&](int64_t) {  // threads claim runs of rows, each with its own buffers
     return [&, csum = std::vector<double>(), w = std::vector<float>(), scratch = std::vector<float>()](int64_t r, int64_t) mutable {
       if (bf16)
         sample_row<uint16_t>(static_cast<const uint16_t*>(base) + r * ld, V, tp[r], up[r], chunks, kp + r, lpp + r, csum, w, scratch);

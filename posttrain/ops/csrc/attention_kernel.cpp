@@ -417,6 +417,16 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
   std::fill(acc.data(), acc.data() + R * D, 0.f);
   auto q_row = [&](int64_t i, int64_t j) { return a.q + rows[i].n * a.q0 + (h * G + j) * a.q1; };  // sample i, head j of h
   auto prompt_key = [&](int64_t c) { return kc + (pmin + c) * D; };
+  auto float_queries = [&] {  // Q (R x D): every row's query widened to float32 (exactly)
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int64_t j = 0; j < G; ++j) {
+        const T* q = q_row(i, j);
+        float* out = Q.data() + (i * G + j) * D;
+        int64_t d = 0;
+        for (; d + VL <= D; d += VL) storev(out + d, loadv(q + d));
+        for (; d < D; ++d) out[d] = to_f(q[d]);
+      }
+  };
   // the next task's KV comes in 3S + 2 parts spread over this one (S samples): after the set-up, the prompt scores,
   // and each sample's own scores, softmax and own values
   const int64_t S = static_cast<int64_t>(rows.size()), steps = 3 * S + 2;
@@ -430,8 +440,7 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
     for (size_t i = 0; i < rows.size(); ++i)
       for (int64_t j = 0; j < G; ++j) qrow[i * G + j] = bits(q_row(i, j));
     if (fma_scores()) {
-      for (int64_t r = 0; r < R; ++r)  // float32 queries
-        for (int64_t d = 0; d < D; d += VL) storev(Q.data() + r * D + d, loadv(qrow[r] + d));
+      float_queries();
       scores_fma(Q.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
     } else {
       scores_bf16(qrow.data(), R, D, [&](int64_t c) { return bits(prompt_key(c)); }, np, a.scale, Sp.data(), Ls, Kf.data());
@@ -446,9 +455,7 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
   } else
 #endif
   {
-    for (size_t i = 0; i < rows.size(); ++i)  // float32 queries
-      for (int64_t j = 0; j < G; ++j)
-        for (int64_t d = 0; d < D; ++d) Q[(i * G + j) * D + d] = to_f(q_row(i, j)[d]);
+    float_queries();
     scores<NV, T>(Q.data(), R, D, prompt_key, np, a.scale, Sp.data(), Ls, Kf.data());
     pf.upto(2, steps);
     for (size_t i = 0; i < rows.size(); ++i) {

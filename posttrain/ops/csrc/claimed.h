@@ -21,9 +21,10 @@ namespace posttrain_par {
 // Claims are guided: a run of max(1, left / (4 * threads)) consecutive indices, so the first runs are an eighth of
 // the work each (2 threads) and the last ones single indices. One index per claim made both threads of a decode
 // step's GEMMs pass one cache line back and forth ~6400 times a step (SmolLM2-135M, 64 rows: 30 q|k|v, 18 o, 96
-// gate|up, 18 down panels a layer, 1536 lm-head ones); guided runs took the 121 linears from 62.0 to 59.6 ms
-// (median of 12 alternating rounds, 2 vCPUs of an Intel Xeon). A thread holds its next index before it runs the
-// current one, so the last indices may wait on a busy thread for at most one index's time.
+// gate|up, 18 down panels a layer, 1536 lm-head ones); guided runs took the 121 linears from 58.4 to 56.5 ms
+// (median of 12 alternating rounds in one process, 2 vCPUs of an Intel Xeon, oneDNN capped below AMX). A run of r
+// is claimed only while >= 8r indices are left (2 threads), and a thread holds its next index before it runs the
+// current one, so the last indices may wait on a busy thread for about one index's time.
 template <typename Start>
 void claimed_for(int64_t n, Start&& start) {
   if (n <= 0) return;

@@ -78,22 +78,34 @@ def test_silu_mul_kernel_equals_eager(rows, I):
 
 
 @needs_kernels
-def test_inline_exp_is_sleefs_exp_bit_for_bit():
-    """The kernels' inline exp (bf16.h `exp8`: sampling, attention softmax, SiLU) == the SLEEF routine it writes out
-    (torch's Sleef_expf8_u10) on every bf16 value as float32, 2^20 random float32 bit patterns, and the edges (the
-    -104 / 100 cut-offs, denormals, +-inf, NaN). (torch.exp itself may run MKL's exp instead; F.silu runs SLEEF's:
-    test_silu_mul_kernel_equals_eager.)"""
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_inline_exp_is_sleefs_exp_bit_for_bit(lanes):
+    """The kernels' inline exp (bf16.h `exp8`, and `exp16` in AVX-512 builds: sampling, attention softmax, SiLU) ==
+    the SLEEF routine it writes out (torch's Sleef_expf8_u10 / Sleef_expf16_u10, called a vector at a time) on every
+    bf16 value as float32, 2^20 random float32 bit patterns, and the edges (the -104 / 100 cut-offs, denormals,
+    +-inf, NaN). (torch.exp itself may run MKL's exp instead; F.silu runs SLEEF's: test_silu_mul_kernel_equals_eager.)"""
     if K.load() is None or not K._module.sample_kernel_available():
         pytest.skip("no AVX2 kernels here")
+    if lanes == 16 and not _avx512_build():
+        pytest.skip("not an AVX-512 build")
     every_bf16 = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
     g = torch.Generator().manual_seed(0)
     sampled = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 20,), generator=g, dtype=torch.int32).view(torch.float32)
     edges = torch.tensor([-104.0, -103.99999, -104.00001, 100.0, 99.99999, 100.00001, 88.72283, 88.72284, -87.33654,
                           1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")])
-    x = torch.cat([every_bf16, sampled, edges, torch.zeros((-edges.numel()) % 8)])
-    ours = K.exp_rows_(x.clone().view(1, -1), torch.zeros(1))[0]
-    sleef = K._module.sleef_exp8_(x.clone())
+    x = torch.cat([every_bf16, sampled, edges, torch.zeros((-edges.numel()) % 64)])
+    ours = K._module.exp_lanes_(x.clone(), lanes, False)
+    sleef = K._module.exp_lanes_(x.clone(), lanes, True)
     assert torch.equal(ours.view(torch.int32), sleef.view(torch.int32))  # bits, NaN payloads included
+
+
+def _avx512_build() -> bool:
+    """The kernels were built with AVX-512 (exp_lanes_ takes 16 lanes)."""
+    try:
+        K._module.exp_lanes_(torch.zeros(64), 16, True)
+    except RuntimeError:
+        return False
+    return True
 
 
 def test_fallback_for_float32_and_odd_layouts():

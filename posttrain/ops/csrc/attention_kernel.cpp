@@ -42,16 +42,40 @@ constexpr int64_t KB = VL;                 // keys per block: one vector of scor
 
 using posttrain_bf16::to_f;
 
-// x[0..n) <- exp(x - shift); returns their float32 sum (SLEEF's exp, 16 or 8 lanes; the AVX-512 tail masked)
+// x[0..n) <- exp(x - shift); returns their float32 sum (SLEEF's exp written out, 16 or 8 lanes; the AVX-512 tail masked)
 float exp_sum(float* x, int64_t n, float shift) {
 #if defined(__x86_64__) && defined(__AVX512F__)
   const __m512 sh = _mm512_set1_ps(shift), none = _mm512_set1_ps(-INFINITY);
   __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m512 w = Sleef_expf16_u10(_mm512_sub_ps(_mm512_mask_loadu_ps(none, m, x + i), sh));  // exp(-inf) = 0
-    _mm512_mask_storeu_ps(x + i, m, w);
-    acc = _mm512_add_ps(acc, w);
+  int64_t i = 0;
+  auto block = [&](auto& w) {  // N vectors' exps interleaved (posttrain_vec::exp16), added in order
+    constexpr int N = sizeof(w) / sizeof(__m512);
+    __mmask16 m[N];
+    for (int j = 0; j < N; ++j) {
+      const int64_t k = n - i - 16 * j;  // >= 1: only vectors holding values
+      m[j] = k >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << k) - 1u);
+      w[j] = _mm512_sub_ps(_mm512_mask_loadu_ps(none, m[j], x + i + 16 * j), sh);  // exp(-inf) = 0
+    }
+    posttrain_vec::exp16<N>(w);
+    for (int j = 0; j < N; ++j) {
+      _mm512_mask_storeu_ps(x + i + 16 * j, m[j], w[j]);
+      acc = _mm512_add_ps(acc, w[j]);
+    }
+    i += 16 * N;
+  };
+  while (n - i > 48) {
+    __m512 w[4];
+    block(w);
+  }
+  if (const int64_t left = (n - i + 15) / 16; left == 3) {
+    __m512 w[3];
+    block(w);
+  } else if (left == 2) {
+    __m512 w[2];
+    block(w);
+  } else if (left == 1) {
+    __m512 w[1];
+    block(w);
   }
   return _mm512_reduce_add_ps(acc);
 #elif defined(__x86_64__) && defined(__AVX2__)

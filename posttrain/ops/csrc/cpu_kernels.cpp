@@ -166,7 +166,7 @@ std::vector<torch::Tensor> sample_plain(torch::Tensor logits, torch::Tensor temp
 bool sample_kernel_available();
 std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets, bool want_entropy);
 torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift);
-torch::Tensor sleef_exp8_(torch::Tensor z);
+torch::Tensor exp_lanes_(torch::Tensor z, int64_t lanes, bool sleef);
 torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -208,7 +208,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_rows_", &softmax_rows_, "the head's kept softmax in place: (logp, lse, entropy)");
   m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("counter_uniforms", &counter_uniforms, "sampling.counter_uniforms (seed, sample index, step) int64 -> float64, one pass");
-  m.def("sleef_exp8_", &sleef_exp8_, "z <- torch's SLEEF expf8_u10 in place (the reference of the inline exp)");
+  m.def("exp_lanes_", &exp_lanes_, "z <- exp(z) in place, 8 or 16 lanes at a time: torch's SLEEF (sleef) or the inline copy");
   m.def("group_attention", &group_attention, "decode attention over the group KV, visible keys only");
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");
   m.def("prompt_scores", &prompt_scores, "group_attention's two prompt-score loops alone (float32 FMAs or vdpbf16ps), for "

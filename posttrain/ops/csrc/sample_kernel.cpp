@@ -240,17 +240,43 @@ torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift) {
   return z;
 }
 
-// z <- SLEEF's exp (torch's Sleef_expf8_u10, called 8 lanes at a time; z's length a multiple of 8): the routine
-// posttrain_vec::exp8 writes out inline, for the test that compares the two bit for bit
-torch::Tensor sleef_exp8_(torch::Tensor z) {
-  TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.is_contiguous() && z.numel() % 8 == 0, "z: float32, contiguous, 8k values");
+// z <- exp(z) in place, `lanes` (8, or 16 where built with AVX-512) at a time, by torch's SLEEF routine
+// (Sleef_expf8_u10 / Sleef_expf16_u10, one call per vector: `sleef`) or by the kernels' inline copies of it
+// (posttrain_vec::exp8 / exp16), for the test that compares the two bit for bit; z's length a multiple of 64
+torch::Tensor exp_lanes_(torch::Tensor z, int64_t lanes, bool sleef) {
+  TORCH_CHECK(z.device().is_cpu() && z.scalar_type() == at::kFloat && z.is_contiguous() && z.numel() % 64 == 0, "z: float32, contiguous, 64k values");
   float* p = z.data_ptr<float>();
-  for (int64_t i = 0; i < z.numel(); i += 8) _mm256_storeu_ps(p + i, Sleef_expf8_u10(_mm256_loadu_ps(p + i)));
-  return z;
+  if (lanes == 8) {
+    for (int64_t i = 0; i < z.numel(); i += 32) {
+      __m256 d[4];
+      for (int j = 0; j < 4; ++j) d[j] = _mm256_loadu_ps(p + i + 8 * j);
+      if (sleef)
+        for (int j = 0; j < 4; ++j) d[j] = Sleef_expf8_u10(d[j]);
+      else
+        posttrain_vec::exp8<4>(d);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(p + i + 8 * j, d[j]);
+    }
+    return z;
+  }
+#if defined(__AVX512F__)
+  if (lanes == 16) {
+    for (int64_t i = 0; i < z.numel(); i += 64) {
+      __m512 d[4];
+      for (int j = 0; j < 4; ++j) d[j] = _mm512_loadu_ps(p + i + 16 * j);
+      if (sleef)
+        for (int j = 0; j < 4; ++j) d[j] = Sleef_expf16_u10(d[j]);
+      else
+        posttrain_vec::exp16<4>(d);
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p + i + 16 * j, d[j]);
+    }
+    return z;
+  }
+#endif
+  TORCH_CHECK(false, "exp_lanes_: lanes 8, or 16 in an AVX-512 build");
 }
 
 #else
-torch::Tensor sleef_exp8_(torch::Tensor) { TORCH_CHECK(false, "sleef_exp8_ needs an x86-64 CPU with AVX2"); }
+torch::Tensor exp_lanes_(torch::Tensor, int64_t, bool) { TORCH_CHECK(false, "exp_lanes_ needs an x86-64 CPU with AVX2"); }
 bool sample_kernel_available() { return false; }
 torch::Tensor exp_rows_(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "exp_rows_ needs an x86-64 CPU with AVX2"); }
 std::vector<torch::Tensor> softmax_rows_(torch::Tensor, torch::Tensor, bool) {

@@ -133,13 +133,25 @@ inline double sum_pd(__m256d lo, __m256d hi) {
   return (l[0] + l[1]) + (l[2] + l[3]);
 }
 
-// One pass over a row of V float32 logits: y = z - shift, w = exp(y) (SLEEF expf u10, the tail through a
-// zero-padded vector as exp_block), w written over z when `store`; returns (sum w, sum w*y) in double.
+// One pass over a row of V float32 logits: y = z - shift, w = exp(y) (SLEEF expf u10 written out, posttrain_vec::exp8:
+// four vectors interleaved, the tail through a zero-padded vector as exp_block), w written over z when `store`;
+// returns (sum w, sum w*y) in double, added 8 lanes at a time in order.
 std::pair<double, double> exp_pass(float* z, int64_t V, float shift, bool store, bool weighted) {
   const __m256 sh = _mm256_set1_ps(shift);
   __m256d s0 = _mm256_setzero_pd(), s1 = s0, t0 = s0, t1 = s0;
   alignas(32) float buf[8];
-  for (int64_t i = 0; i < V; i += 8) {
+  int64_t i = 0;
+  for (; i + 32 <= V; i += 32) {
+    __m256 y[4], w[4];
+    for (int j = 0; j < 4; ++j) w[j] = y[j] = _mm256_sub_ps(_mm256_loadu_ps(z + i + 8 * j), sh);
+    posttrain_vec::exp8<4>(w);
+    for (int j = 0; j < 4; ++j) {
+      if (store) _mm256_storeu_ps(z + i + 8 * j, w[j]);
+      add_pd(s0, s1, w[j]);
+      if (weighted) add_pd(t0, t1, _mm256_mul_ps(w[j], y[j]));
+    }
+  }
+  for (; i < V; i += 8) {
     const int64_t k = std::min<int64_t>(8, V - i);
     __m256 y;
     if (k == 8) {
@@ -148,7 +160,7 @@ std::pair<double, double> exp_pass(float* z, int64_t V, float shift, bool store,
       for (int64_t l = 0; l < 8; ++l) buf[l] = l < k ? z[i + l] : 0.f;
       y = _mm256_sub_ps(_mm256_load_ps(buf), sh);
     }
-    __m256 w = Sleef_expf8_u10(y);
+    __m256 w = posttrain_vec::exp8(y);
     if (k < 8) {  // padding weighs nothing
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
       const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), lane));

@@ -382,8 +382,9 @@ struct Row {  // a live sample of the task's group
 };
 
 // The next task's keys and values (its region up to the newest token), prefetched into the cache while a task runs:
-// the KV of a layer comes from memory at every step (a step streams all weights between two visits). Each key or
-// value row the task reads issues the next line of each (`tick`), so the misses overlap its arithmetic; `upto`
+// the KV of a layer comes from memory at every step (a step streams all weights between two visits). Each time the
+// task asks for a key or value row (its accessors) it issues the next line of each (`tick`), so the misses overlap
+// its arithmetic; `upto`
 // catches up at fixed points (part/parts of the region by then). Issued only in bursts (upto alone), the
 // prefetches queued behind each other and the task waited on them: cold KV cost as much with as without them
 // (AMD Zen 4, 3 MB a layer: 297 vs 290 us, against 127 us hot), 254 us with the ticks. Into L2 (T1), not L1 (the

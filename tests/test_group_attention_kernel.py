@@ -113,6 +113,33 @@ def test_group_attention_as_accurate_as_masked_sdpa():
     assert err_kernel <= err_sdpa * 1.1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [dict(), dict(G=9, KV=1, t=20), dict(D=128, G=2, W=8), dict(D=80, G=3),
+                                   dict(idle={(0, 1), (1, 0), (2, 2)})])
+def test_rope_inside_equals_rope_then_attention(dtype, shape):
+    """With cos/sin, q and the new k are rotated as they are read (decode_layers' path): output and caches equal to
+    `rope` over q|k, then the kernel, bit for bit. q, k, v are column slices of one q|k|v row as the runner passes them."""
+    c = _case(dtype=dtype, **shape)
+    B, H, D = c["q"].shape
+    KV = c["k"].shape[1]
+    qkv = torch.cat([c["q"].reshape(B, -1), c["k"].reshape(B, -1), c["v"].reshape(B, -1)], 1)
+    q, k, v = (qkv[:, a:b].view(B, -1, D) for a, b in ((0, H * D), (H * D, (H + KV) * D), ((H + KV) * D, qkv.shape[1])))
+    g = torch.Generator().manual_seed(7)
+    angle = torch.rand(B, D // 2, generator=g) * 50
+    cos = torch.cat([angle.cos(), angle.cos()], 1).to(dtype)
+    sin = torch.cat([-angle.sin(), angle.sin()], 1).to(dtype)  # sin_signed, as the runner's tables
+    qk = K.rope(qkv[:, :(H + KV) * D].view(B, H + KV, D), cos, sin)
+    kc0, vc0, kc1, vc1 = c["kc"].clone(), c["vc"].clone(), c["kc"].clone(), c["vc"].clone()
+    scale = D**-0.5
+    args = (c["member"], c["off"], c["prompt"], scale, 4)
+    want = K.group_attention(qk[:, :H], qk[:, H:], v, kc0, vc0, *args)
+    got = K.group_attention(q, k, v, kc1, vc1, *args, cos=cos, sin=sin)
+    assert torch.equal(got, want) and torch.equal(kc1, kc0) and torch.equal(vc1, vc0)
+    assert not torch.equal(kc1, c["kc"])  # the rotated keys were written
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        K.group_attention(q, k, v, kc1, vc1, *args, cos=cos[:-1], sin=sin[:-1])
+
+
 def test_runs_only_where_it_can():
     assert K.group_attention_runs(torch.device("cpu"), torch.bfloat16, 64)
     assert K.group_attention_runs(torch.device("cpu"), torch.float32, 128)

@@ -189,16 +189,18 @@ def group_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int
 
 
 def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    member: torch.Tensor, off: torch.Tensor, prompt: torch.Tensor, scale: float, window: int | None):
+                    member: torch.Tensor, off: torch.Tensor, prompt: torch.Tensor, scale: float, window: int | None,
+                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
     """Decode attention over one layer's group KV visiting only the keys each query sees
     (csrc/attention_kernel.cpp; `group_attention_runs` says where it runs, elsewhere the runner's masked SDPA).
 
     q (B, H, D), k/v (B, KV, D): the step's queries and new keys/values (heads contiguous); k_cache/v_cache
     (groups, KV, cap, D) contiguous, the new k/v written at `off` (B,); member (n, W) int64: the batch row of
     each of the first n groups' W samples, or -1; prompt (n,) int64: each group's prompt length; window: the
-    sliding window or None. -> (B, H*D) in q's dtype."""
+    sliding window or None; cos/sin (B, D) contiguous, q's dtype: `rope`'s rows, q and k rotated as they are read
+    (bit for bit `rope` then this), or None where q and k come rotated. -> (B, H*D) in q's dtype."""
     q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
-    return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0)
+    return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0, cos, sin)
 
 
 def gemm_runs(w: torch.Tensor) -> bool:

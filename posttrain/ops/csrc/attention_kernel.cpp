@@ -27,6 +27,7 @@
 
 #include "bf16.h"
 #include "claimed.h"
+#include "rope.h"
 #include "transpose.h"
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)  // __builtin_shufflevector (else: masked SDPA runs)
@@ -369,6 +370,7 @@ struct Job {
   const int64_t *member, *off, *prompt;  // (groups*W) batch row or -1, (B,), (groups,)
   int64_t KV, cap, D, G, W, window;
   float scale;
+  const T *cos, *sin;  // (B, D) each: this step's RoPE rows, applied to q and the new k as they are read; or null
 };
 
 struct Span {  // a piece of the scratch buffer
@@ -432,7 +434,10 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
     const int64_t n = a.member[g * W + m];
     if (n < 0) continue;
     const int64_t o = a.off[n], j = (o - P - m) / W;  // new token: own index j, position P + j
-    std::memcpy(kc + o * D, a.kn + n * a.k0 + h * a.k1, D * sizeof(T));
+    if (a.cos)  // the new key rotated into its cache row (`rope`'s roundings)
+      posttrain_rope::rope_rows(a.kn + n * a.k0 + h * a.k1, a.cos + n * D, a.sin + n * D, kc + o * D, 1, 1, D, 0, 0);
+    else
+      std::memcpy(kc + o * D, a.kn + n * a.k0 + h * a.k1, D * sizeof(T));
     std::memcpy(vc + o * D, a.vn + n * a.v0 + h * a.v1, D * sizeof(T));
     const int64_t lo = a.window > 0 ? P + j - a.window + 1 : 0;  // first visible position
     Row r{m, n, j + 1, std::min(P, std::max<int64_t>(0, lo)), std::max<int64_t>(0, lo - P)};
@@ -453,7 +458,16 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
   for (int i = 0, at = 0; i < 7; at += (sizes[i] + 15) / 16 * 16, ++i) parts[i] = scratch.data() + at;
   Span Q{parts[0]}, Kf{parts[1]}, Sp{parts[2]}, So{parts[3]}, acc{parts[4]}, Vp{parts[5]}, inv{parts[6]};
   std::fill(acc.data(), acc.data() + R * D, 0.f);
-  auto q_row = [&](int64_t i, int64_t j) { return a.q + rows[i].n * a.q0 + (h * G + j) * a.q1; };  // sample i, head j of h
+  // sample i's query head j of h: from q, or rotated into qrot (its rows' G heads, once per task) where RoPE is applied here
+  thread_local std::vector<T> qrot;
+  if (a.cos) {
+    qrot.resize(R * D);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t n = rows[i].n;
+      posttrain_rope::rope_rows(a.q + n * a.q0 + h * G * a.q1, a.cos + n * D, a.sin + n * D, qrot.data() + i * G * D, 1, G, D, 0, a.q1);
+    }
+  }
+  auto q_row = [&](int64_t i, int64_t j) { return a.cos ? qrot.data() + (i * G + j) * D : a.q + rows[i].n * a.q0 + (h * G + j) * a.q1; };
   auto prompt_key = [&](int64_t c) { pf.tick(); return kc + (pmin + c) * D; };
   auto float_queries = [&] {  // Q (R x D): every row's query widened to float32 (exactly)
     for (size_t i = 0; i < rows.size(); ++i)
@@ -559,9 +573,11 @@ T* data(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 // q (B, H, D), k/v (B, KV, D): this step's queries and new keys/values (rows strided, heads D apart);
 // k_cache/v_cache (>= groups, KV, cap, D) one layer's group KV, written at `off`; member (groups, W) int64:
 // the batch row of each group slot's sample or -1 (idle); off (B,) int64: where each row's new token goes
-// (P + j*W + m); prompt (groups,) int64: P per group; window 0 = none. Returns (B, H*D) in q's dtype.
+// (P + j*W + m); prompt (groups,) int64: P per group; window 0 = none; cos/sin (B, D) in q's dtype: RoPE's rows for
+// q and k (as `rope` rotates them, bit for bit), or None where q and k come rotated. Returns (B, H*D) in q's dtype.
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window) {
+                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "group_attention: bf16 or float32");
   for (const auto& t : {q, k, v, k_cache, v_cache})
@@ -576,13 +592,19 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                   member.scalar_type() == at::kLong && off.scalar_type() == at::kLong && prompt.scalar_type() == at::kLong && off.numel() == B &&
                   prompt.numel() == member.size(0),
               "group_attention: member (groups, W), off (B,), prompt (groups,) int64");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "group_attention: cos and sin together");
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(!t.has_value() || (t->device().is_cpu() && t->scalar_type() == dt && t->is_contiguous() && t->dim() == 2 &&
+                                   t->size(0) == B && t->size(1) == D),
+                "group_attention: cos/sin (B, D) contiguous CPU tensors of q's dtype");
   auto out = torch::empty({B, H * D}, q.options());
   const int64_t groups = member.size(0);
   auto fill = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Job<T> a{data<T>(q), data<T>(k), data<T>(v), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
              data<T>(k_cache), data<T>(v_cache), data<T>(out), member.data_ptr<int64_t>(), off.data_ptr<int64_t>(),
-             prompt.data_ptr<int64_t>(), KV, k_cache.size(2), D, H / KV, member.size(1), window, static_cast<float>(scale)};
+             prompt.data_ptr<int64_t>(), KV, k_cache.size(2), D, H / KV, member.size(1), window, static_cast<float>(scale),
+             cos ? data<T>(*cos) : nullptr, sin ? data<T>(*sin) : nullptr};
     run<T>(a, groups);
   };
   if (dt == at::kBFloat16)
@@ -636,7 +658,7 @@ bool group_attention_available() { return false; }
 torch::Tensor prompt_scores(torch::Tensor, torch::Tensor, double, bool) { return torch::empty({0}); }
 bool attention_fma_scores() { return false; }
 torch::Tensor group_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                              torch::Tensor, double, int64_t) {
+                              torch::Tensor, double, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "group_attention needs GCC >= 12 or Clang");
 }
 #endif

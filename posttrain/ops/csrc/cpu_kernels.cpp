@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "bf16.h"
+#include "rope.h"
 
 namespace {
 
@@ -67,38 +68,6 @@ torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// RoPE's products and sum each rounded, as the eager ops round them: no contraction into FMAs (GCC contracts by
-// default in C++ too)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-namespace {
-
-// out[n, h] = x[n, h] * cos[n] + swap_halves(x[n, h]) * sin_signed[n], each product and the sum rounded to T as the
-// eager ops round them (T = uint16_t: bf16 bits; float: float32, no rounding step)
-template <typename T>
-void rope_rows(const T* xp, const T* cp, const T* sp, T* op, int64_t N, int64_t H, int64_t D, int64_t sn, int64_t sh) {
-  using posttrain_bf16::put;
-  using posttrain_bf16::to_f;
-  const int64_t half = D / 2;
-  auto rnd = [](float v) { return std::is_same<T, float>::value ? v : round_bf(v); };
-  for (int64_t n = 0; n < N; ++n) {
-    const T *c = cp + n * D, *s = sp + n * D;
-    for (int64_t h = 0; h < H; ++h) {
-      const T* r = xp + n * sn + h * sh;
-      T* o = op + (n * H + h) * D;
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) put(o + d, rnd(to_f(r[d]) * to_f(c[d])) + rnd(to_f(r[d + half]) * to_f(s[d])));
-#pragma omp simd
-      for (int64_t d = half; d < D; ++d) put(o + d, rnd(to_f(r[d]) * to_f(c[d])) + rnd(to_f(r[d - half]) * to_f(s[d])));
-    }
-  }
-}
-
-}  // namespace
-#pragma GCC pop_options
 
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed) {
   const auto dt = x.scalar_type();
@@ -113,9 +82,9 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed)
   const int64_t sn = x.stride(0);
   at::parallel_for(0, N, std::max<int64_t>(1, kRowsGrain / std::max<int64_t>(H * D, 1)), [&](int64_t b, int64_t e) {
     if (dt == at::kBFloat16)
-      rope_rows(cptr(x) + b * sn, cptr(cos) + b * D, cptr(sin_signed) + b * D, mptr(out) + b * H * D, e - b, H, D, sn, x.stride(1));
+      posttrain_rope::rope_rows(cptr(x) + b * sn, cptr(cos) + b * D, cptr(sin_signed) + b * D, mptr(out) + b * H * D, e - b, H, D, sn, x.stride(1));
     else
-      rope_rows(x.data_ptr<float>() + b * sn, cos.data_ptr<float>() + b * D, sin_signed.data_ptr<float>() + b * D,
+      posttrain_rope::rope_rows(x.data_ptr<float>() + b * sn, cos.data_ptr<float>() + b * D, sin_signed.data_ptr<float>() + b * D,
                 out.data_ptr<float>() + b * H * D, e - b, H, D, sn, x.stride(1));
   });
   return out;
@@ -170,7 +139,8 @@ torch::Tensor exp_lanes_(torch::Tensor z, int64_t lanes, bool sleef);
 torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
+                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin);
 bool group_attention_available();
 torch::Tensor prompt_scores(torch::Tensor q, torch::Tensor keys, double scale, bool fma);
 bool attention_fma_scores();

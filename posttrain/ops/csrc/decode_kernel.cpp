@@ -1,13 +1,15 @@
 // One decode step's decoder layers in one call: the kernels runner._forward calls for each layer of a Llama-style
 // model (pre-norm RMSNorm, one q|k|v projection, RoPE on every q and k head, attention over the group KV, a SiLU-gated
-// MLP), in the same order on the same tensors, so the result is the Python loop's bit for bit. What it removes is
+// MLP), in the same order on the same tensors (RoPE inside the attention, as q and k are read: the same function),
+// so the result is the Python loop's bit for bit. What it removes is
 // the interpreter between the kernels: ~10 Python calls and a dozen tensor views per layer, 3-4 ms of a decode step
 // (6% of a 32-row float32 step of SmolLM2-135M on 2 cores, AMD Zen 2).
 //
 // Per layer i:
 //   h  = rmsnorm(x, norm_in[i])                      bf16: rmsnorm; float32: rmsnorm_fwd (training's kernel)
-//   qk = rope(qkv[:, :(H+KV)*D]), v = qkv[:, (H+KV)*D:]   with qkv = gemm_packed(h, W_qkv) (+ bias)
-//   x  = gemm_packed(group_attention(q, k, v, ...), W_o, residual = x)
+//   q, k, v = qkv split by heads                        with qkv = gemm_packed(h, W_qkv) (+ bias)
+//   x  = gemm_packed(group_attention(q, k, v, ..., cos, sin), W_o, residual = x)   RoPE on q and k inside the attention
+//                                                    (`rope`'s function: the loop's rope(q|k) then attention, bit for bit)
 //   h  = rmsnorm(x, norm_post[i])
 //   g  = gemm_packed(h, W_gate_up, glu)              glu: silu(gate) * up from the GEMM's epilogue, else the two halves
 //                                                    through swiglu_fwd (float32) or silu_mul (bf16)
@@ -18,11 +20,11 @@
 
 torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u);
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin_signed);
 std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u);
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window);
+                              torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual, bool glu, c10::optional<torch::Tensor> out);
 
@@ -61,10 +63,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch
                 "decode_layers: layer ", i, ": weights or widths");
     const torch::Tensor qkv = gemm_packed(norm(x, w[NORM_IN], eps[2 * i]), w[QKV], widths[i][0], opt(w[QKV_B]), c10::nullopt,
                                           false, c10::nullopt);
-    const torch::Tensor qk = rope(qkv.slice(1, 0, nqk).view({N, H + KV, D}), cos, sin);
+    const torch::Tensor q = qkv.slice(1, 0, H * D).view({N, H, D}), k = qkv.slice(1, H * D, nqk).view({N, KV, D});
     const torch::Tensor v = qkv.slice(1, nqk, nqk + KV * D).view({N, KV, D});
-    const torch::Tensor a = group_attention(qk.slice(1, 0, H), qk.slice(1, H, H + KV), v, k_slot[i], v_slot[i], member, off,
-                                            prompt, scale, windows[i]);
+    const torch::Tensor a = group_attention(q, k, v, k_slot[i], v_slot[i], member, off, prompt, scale, windows[i], cos, sin);
     x = gemm_packed(a, w[O], widths[i][1], opt(w[O_B]), x, false, c10::nullopt);
     torch::Tensor g = gemm_packed(norm(x, w[NORM_POST], eps[2 * i + 1]), w[GATE_UP], widths[i][2], opt(w[GATE_UP_B]),
                                   c10::nullopt, glu[i], c10::nullopt);

@@ -10,7 +10,8 @@
 //   own   : S_m = Q_m K_m^T over sample m's own keys (stride W in the region), its G rows only
 //   out   : softmax over [S_p | S_m] (float32, SLEEF exp), O = P V, cast to the cache dtype
 //
-// with the new token's k/v written into the region first (it is the last own key). bf16 with AVX-512 BF16: the
+// with the new token's k/v written into the region first (it is the last own key). Given the step's RoPE rows
+// (decode_layers), q and the new k are rotated as they are read, with `rope`'s function (rope.h). bf16 with AVX-512 BF16: the
 // scores are vdpbf16ps dot products of the bf16 q and keys (exact products, float32 sums; `scores_bf16`); on Intel
 // the shared prompt scores take the same values from float32 FMAs, twice vdpbf16ps's rate there (`scores_fma`).
 // Windows (sliding attention): key position p visible to query position q iff q - p < window, so each sample's

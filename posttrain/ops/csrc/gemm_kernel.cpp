@@ -197,6 +197,20 @@ __attribute__((noinline)) void micro(const Tile<T, O>& t) {  // inlined into a c
     glu_store<R>(t, acc);
     return;
   }
+  if (t.cols == NR) {  // a whole panel: the same adds and rounding as below, a vector at a time
+    using posttrain_vec::loadv;
+    using posttrain_vec::vec;
+#pragma GCC unroll 12
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        vec y = (vec)acc[i][j];
+        if (t.bias) y += loadv(t.bias + j * VL);
+        if (t.res) y += loadv(t.res + i * t.ldc + j * VL);
+        posttrain_vec::storev(t.c + i * t.ldc + j * VL, y);  // bf16: rounded once, to nearest even
+      }
+    return;
+  }
 #pragma GCC unroll 12
   for (int i = 0; i < R; ++i) {
     alignas(64) float row[NR];

@@ -313,6 +313,19 @@ def test_group_kv_equals_per_sequence_slots_with_early_stops(model):
     assert_same_samples(outs, ref=outs[False, 8])
 
 
+def test_group_kv_grows_no_further_than_its_groups_reach(model):
+    """The group KV doubles as decode reaches further, but never past what its groups can reach (P + width x the
+    tokens they may feed): here 17 + 4 x 40 = 177 positions, where doubling alone would go 64 -> 128 -> 256."""
+    reqs = [Request(PROMPTS[1], SamplingParams(n=4, temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=3))]
+    outs = {}
+    for group_kv in (True, False):
+        eng = engine(model, group_kv=group_kv, max_model_len=200)
+        outs[group_kv] = eng.generate(reqs)
+        if group_kv:
+            assert eng.scheduler.width == 4 and eng.runner.k_slot.shape[3] == len(PROMPTS[1]) + 4 * 40
+    assert_same_samples(outs, ref=outs[False])
+
+
 def test_group_width_policy(model):
     eng = engine(model, max_num_seqs=8)
     same = SamplingParams(n=4, max_new_tokens=2, ignore_eos=True)

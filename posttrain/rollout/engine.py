@@ -302,6 +302,7 @@ class Engine:
         for gi, g in enumerate(groups):
             started, copies, gslots = self.scheduler.start(g)
             self.runner.copy_blocks(copies)
+            self.runner.plan_slot_kv(len(g.parent.token_ids) + self.runner.width * self._tokens_left(g.parent))
             self.runner.load_groups([(gs, g.parent.block_table, len(g.parent.token_ids)) for gs in gslots])
             for s in started:
                 self._join(s)
@@ -366,6 +367,11 @@ class Engine:
             seqs[i].model_logprobs.append(lp)
 
     # ------------------------------------------------------------ sequence transitions
+    def _tokens_left(self, s: Sequence) -> int:
+        """Tokens sequence `s` may still generate (the `max_new` that `_join` sets, less what it has)."""
+        p = s.request.request.params
+        return max(0, min(p.max_new_tokens, self.max_model_len - s.prompt_len) - s.num_generated)
+
     def _join(self, s: Sequence) -> None:
         st: _RequestState = s.request
         p, k = st.request.params, s.slot

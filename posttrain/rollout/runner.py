@@ -370,13 +370,22 @@ class Runner:
         """Sequences per group slot (the engine sets it while nothing runs); drops the group KV."""
         self.width = width
         self.k_slot = self.v_slot = None
+        self.slot_need = 0  # positions the groups can reach in their regions, at most (`plan_slot_kv`)
         self.prompt_len = torch.ones(max(1, self.slot_seqs // width), dtype=torch.long, device=self.device)  # P per group slot
+
+    def plan_slot_kv(self, need: int) -> None:
+        """A joining group's region reaches at most `need` positions (its P + width x the tokens it may still feed):
+        the group KV then grows by doubling as decode reaches further, but never past the largest such need
+        (doubling alone overshoots the longest sequence by up to 2x: memory that nothing would ever use)."""
+        self.slot_need = max(self.slot_need, need)
 
     def _ensure_slot_kv(self, L: int) -> None:
         cap = 0 if self.k_slot is None else self.k_slot.shape[3]
         if L <= cap:
             return
         new_cap = min(self.width * self.max_model_len, max(L, 2 * cap, 64))
+        if L <= self.slot_need:  # an underestimate (L past it) falls back to doubling: never a growth per step
+            new_cap = min(new_cap, self.slot_need)
         shape = (len(self.layers), self.slot_seqs // self.width, self.n_kv, new_cap, self.head_dim)
         k, v = torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device)
         if cap:

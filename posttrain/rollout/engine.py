@@ -367,10 +367,13 @@ class Engine:
             seqs[i].model_logprobs.append(lp)
 
     # ------------------------------------------------------------ sequence transitions
+    def _max_new(self, s: Sequence) -> int:
+        """Completion tokens sequence `s` may have at most: its request's max_new_tokens within max_model_len."""
+        return min(s.request.request.params.max_new_tokens, self.max_model_len - s.prompt_len)
+
     def _tokens_left(self, s: Sequence) -> int:
-        """Tokens sequence `s` may still generate (the `max_new` that `_join` sets, less what it has)."""
-        p = s.request.request.params
-        return max(0, min(p.max_new_tokens, self.max_model_len - s.prompt_len) - s.num_generated)
+        """Tokens sequence `s` may still generate."""
+        return max(0, self._max_new(s) - s.num_generated)
 
     def _join(self, s: Sequence) -> None:
         st: _RequestState = s.request
@@ -379,7 +382,7 @@ class Engine:
         dev = self.tables.device  # host lists -> the engine's device explicitly (no implicit CPU tensors)
         self.tables[k, :len(s.block_table)] = torch.tensor(s.block_table, device=dev)
         self.ntok[k], self.last[k], self.ngen[k] = n, s.token_ids[-1], s.num_generated
-        self.max_new[k] = min(p.max_new_tokens, self.max_model_len - s.prompt_len)
+        self.max_new[k] = self._max_new(s)
         self.temp[k], self.topk[k], self.topp[k] = float(p.temperature), p.top_k, float(p.top_p)
         self.seed[k], self.sidx[k] = st.seed, s.sample_index
         if len(st.stop_ids) > self.stop_ids.shape[1]:

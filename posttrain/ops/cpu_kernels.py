@@ -215,6 +215,22 @@ def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch
     return _module.counter_uniforms(seed, sample_index, step)
 
 
+def row_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, ngen: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`counter_uniforms(seed[rows], sample_index[rows], ngen[rows])` in one call: contiguous int64 CPU tensors
+    (the engine's per-slot state (slots,) and its running slots (N,)) -> (N,) float64."""
+    return _module.row_uniforms(seed, sample_index, ngen, rows)
+
+
+def record_tokens(rows, tok, lp, kept, ngen, ntok, last, out_tok, out_lp, out_kept, stop_ids, max_new, has_stop_str) -> list[int]:
+    """The engine's bookkeeping of one draw per running slot in one C++ call (csrc/sample_kernel.cpp; its tensor-op
+    twin is `Engine._record`): row i's token, log-prob and kept count (N,) go to slot rows[i] of out_tok / out_lp /
+    out_kept (slots, L) at completion index ngen[slot]; ngen, ntok, last (slots,) advance; returns the indices i
+    whose slot stopped (its token is in stop_ids (slots, k), or ngen reached max_new) or has stop strings to check
+    (has_stop_str). Contiguous CPU tensors: int64, float32 for lp / out_lp, int32 out_kept, bool has_stop_str."""
+    return _module.record_tokens(rows, tok, lp, kept, ngen, ntok, last, out_tok, out_lp, out_kept, stop_ids, max_new,
+                                 has_stop_str).tolist()
+
+
 def gemm_pack(w: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """w (N, K), float32 or bf16 (widened exactly) -> float32 panels (⌈N/NR⌉, K, NR) for `gemm_packed`
     (csrc/gemm_kernel.cpp; NR = 16 with AVX2, 32 with AVX-512), written into `into` (a previous packing of a

@@ -27,6 +27,7 @@ from pydantic import Field
 from posttrain.config import Config
 from posttrain.errors import UserError
 from posttrain.models.device import is_cpu
+from posttrain.ops import cpu_kernels
 from posttrain.ops.host_memory import keep_freed_memory
 from posttrain.ops.sampling import counter_uniforms, sample_logits
 from posttrain.rollout.kv import BlockManager
@@ -34,7 +35,7 @@ from posttrain.rollout.runner import Runner
 from posttrain.rollout.scheduler import Batch, Scheduler
 from posttrain.rollout.scoring import logits_logprobs, prompt_logprobs
 from posttrain.rollout.sequence import Group, Sequence, Status
-from posttrain.rollout.types import Completion, Request, RequestOutput, check_request, default_stop_ids
+from posttrain.rollout.types import Completion, Request, RequestOutput, SamplingParams, check_request, default_stop_ids
 
 
 class EngineConfig(Config):
@@ -106,6 +107,7 @@ class Engine:
                             f"engine.kv_cache_mb >= {need_mb:.3g} (or a smaller engine.max_model_len)")
         self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights,
                              cfg.max_num_seqs if cfg.slot_kv else 0, dtype)
+        self._host_kernels = is_cpu(self.runner.device) and cpu_kernels.load() is not None
         if is_cpu(self.runner.device):  # host malloc tuning; CUDA tensors use PyTorch's caching allocator instead
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)
@@ -130,6 +132,7 @@ class Engine:
         self._slot_seq: dict[int, Sequence] = {}
         self._rows = None  # cached LongTensor of running slots
         self._reporting = 0  # requests in flight that asked for their tokens' model log-probs (SamplingParams.logprobs)
+        self._unplain = 0  # requests in flight that may draw from anything but the whole softmax (greedy, top-k, top-p)
 
     @property
     def vocab_size(self) -> int:
@@ -200,7 +203,7 @@ class Engine:
             out.time_first_token = out.time_finished = time.perf_counter() - self._t0
             state.remaining = 0
             return state
-        self._reporting += p.logprobs is not None
+        self._in_flight(p, +1)
         W = self.scheduler.width
         chunk, ids = self.config.max_num_seqs // W * W, request.prompt_token_ids
         for j0 in range(0, p.n, chunk):
@@ -215,18 +218,22 @@ class Engine:
         self._t0 = time.perf_counter()
         states = self.submit(requests)
         pending = states
+        # Weights are checked for in-place changes once here and after callbacks, not before every step: nothing
+        # else runs between this loop's steps, and the check touches every parameter (~0.35 ms of a decode step).
+        self._check_weights()
         while pending and on_output is not None:  # report what is done, then step (O(pending) per step)
             done = [s for s in pending if s.remaining == 0]
             if done:
                 pending = [s for s in pending if s.remaining != 0]
                 for s in done:
                     on_output(s.output)
+                self._check_weights()
             if pending and not self.scheduler.has_work():
                 break  # defensive: a request with samples left always has queued work
             if pending:
-                self.step()
+                self._step()
         while self.scheduler.has_work():
-            self.step()
+            self._step()
         return [s.output for s in states]
 
     def submit(self, requests: list[Request]) -> list[_RequestState]:
@@ -278,7 +285,12 @@ class Engine:
 
     # ------------------------------------------------------------ the step
     def step(self) -> None:
+        """One scheduling step (a prefill or a decode of the running batch), after checking the weights for
+        in-place changes (a caller driving `step()` may have trained in between)."""
         self._check_weights()
+        self._step()
+
+    def _step(self) -> None:
         batch = self.scheduler.schedule()
         for g in batch.rejected:
             self._fail(g, f"prompt of {len(g.parent.token_ids)} tokens does not fit in the KV cache ({self.blocks.num_blocks} blocks)")
@@ -334,25 +346,35 @@ class Engine:
 
     def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
-        g = self.ngen[rows]
-        tok, lp, kept = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows],
-                                      counter_uniforms(self.seed[rows], self.sidx[rows], g), with_kept=True)
+        host = self._host_kernels  # CPU: the bookkeeping in two C++ calls instead of ~30 small tensor ops
+        g = None if host else self.ngen[rows]
+        u = cpu_kernels.row_uniforms(self.seed, self.sidx, self.ngen, rows) if host else \
+            counter_uniforms(self.seed[rows], self.sidx[rows], g)
+        tok, lp, kept = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows], u, with_kept=True,
+                                      all_plain=not self._unplain)
+        hits = cpu_kernels.record_tokens(rows, tok, lp, kept, self.ngen, self.ntok, self.last, self.out_tok, self.out_lp,
+                                         self.out_kept, self.stop_ids, self.max_new, self.has_stop_str) if host else \
+            self._record(rows, g, tok, lp, kept)
+        self.stats.generated_tokens += rows.numel()
+        if self._reporting:  # requests that asked for their tokens' model log-probs (Python work for those rows only)
+            self._record_model_logprobs(seqs, logits, tok)
+        finished = [(seqs[i], *self._stop_reason(seqs[i])) for i in hits]
+        for seq, stop, reason in finished:
+            if stop is not None or reason == "length":
+                self._finish(seq, reason, stop)
+
+    def _record(self, rows: torch.Tensor, g: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, kept: torch.Tensor) -> list[int]:
+        """`cpu_kernels.record_tokens` in tensor ops (any device): store row i's draw at its slot rows[i]'s completion
+        index g[i], advance the slot's counters; -> the rows that stopped or have stop strings to check."""
         self.out_tok[rows, g] = tok
         self.out_lp[rows, g] = lp
         self.out_kept[rows, g] = kept.int()
         self.ngen[rows] = g + 1
         self.ntok[rows] += 1
         self.last[rows] = tok
-        self.stats.generated_tokens += rows.numel()
-        if self._reporting:  # requests that asked for their tokens' model log-probs (Python work for those rows only)
-            self._record_model_logprobs(seqs, logits, tok)
         done = (self.stop_ids[rows] == tok.unsqueeze(1)).any(1) | (g + 1 >= self.max_new[rows])
         # stop strings need the text: those rows (only) are checked in Python every step
-        hits = (done | self.has_stop_str[rows]).nonzero().squeeze(1).tolist()
-        finished = [(seqs[i], *self._stop_reason(seqs[i])) for i in hits]
-        for seq, stop, reason in finished:
-            if stop is not None or reason == "length":
-                self._finish(seq, reason, stop)
+        return (done | self.has_stop_str[rows]).nonzero().squeeze(1).tolist()
 
     def _record_model_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tok: torch.Tensor) -> None:
         """Append to each reporting sequence its new token's log-prob under the model (log_softmax of the raw
@@ -439,7 +461,7 @@ class Engine:
         st.completions[s.sample_index] = Completion(s.sample_index, completion, s.logprobs, reason, text, stop, kept, mlp)
         st.remaining -= 1
         if st.remaining == 0:
-            self._reporting -= st.request.params.logprobs is not None
+            self._in_flight(st.request.params, -1)
             st.output.samples = [st.completions[j] for j in range(st.request.params.n)]
             st.output.time_finished = time.perf_counter() - self._t0
 
@@ -448,10 +470,15 @@ class Engine:
         st.output.error = f"request {st.output.request_id}: {message}"
         st.output.samples = []
         if st.remaining:
-            self._reporting -= st.request.params.logprobs is not None
+            self._in_flight(st.request.params, -1)
         st.remaining = 0
         # drop the request's other queued groups
         self.scheduler.waiting = type(self.scheduler.waiting)(x for x in self.scheduler.waiting if x.parent.request is not st)
+
+    def _in_flight(self, p: SamplingParams, sign: int) -> None:
+        """Count a request in (+1) or out (-1) of the counters that let a step skip per-row work."""
+        self._reporting += sign * (p.logprobs is not None)
+        self._unplain += sign * (p.temperature == 0 or p.top_k > 0 or p.top_p < 1)
 
     def _running_rows(self) -> torch.Tensor:
         if self._rows is None:

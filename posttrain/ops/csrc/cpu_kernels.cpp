@@ -137,6 +137,11 @@ std::vector<torch::Tensor> softmax_rows_(torch::Tensor z, torch::Tensor targets,
 torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift);
 torch::Tensor exp_lanes_(torch::Tensor z, int64_t lanes, bool sleef);
 torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step);
+torch::Tensor row_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor ngen, torch::Tensor rows);
+torch::Tensor record_tokens(torch::Tensor rows, torch::Tensor tok, torch::Tensor lp, torch::Tensor kept,
+                            torch::Tensor ngen, torch::Tensor ntok, torch::Tensor last, torch::Tensor out_tok,
+                            torch::Tensor out_lp, torch::Tensor out_kept, torch::Tensor stop_ids,
+                            torch::Tensor max_new, torch::Tensor has_stop_str);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
@@ -178,6 +183,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_rows_", &softmax_rows_, "the head's kept softmax in place: (logp, lse, entropy)");
   m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("counter_uniforms", &counter_uniforms, "sampling.counter_uniforms (seed, sample index, step) int64 -> float64, one pass");
+  m.def("row_uniforms", &row_uniforms, "counter_uniforms(seed[rows], sample_index[rows], ngen[rows])");
+  m.def("record_tokens", &record_tokens, "the engine's bookkeeping of one draw per row; -> the rows to look at");
   m.def("exp_lanes_", &exp_lanes_, "z <- exp(z) in place, 8 or 16 lanes at a time: torch's SLEEF (sleef) or the inline copy");
   m.def("group_attention", &group_attention, "decode attention over the group KV, visible keys only");
   m.def("group_attention_available", &group_attention_available, "whether group_attention was built (GCC >= 12 or Clang)");

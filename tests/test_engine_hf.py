@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from posttrain.models.loading import load_model, load_tokenizer
+from posttrain.ops import cpu_kernels
 from posttrain.ops.sampling import process_logits, trainer_logprobs
 from posttrain.rollout.engine import Engine, EngineConfig
 from posttrain.rollout.hf_backend import HFBackend
@@ -129,9 +130,15 @@ def test_group_prefill_once_and_multi_turn_prefix_cache(model):
     assert o2.samples[0].token_ids == ref  # the cached prefix gives the same result
 
 
-def test_save_decoded_copies_each_position_to_its_block(model):
+@pytest.mark.parametrize("kernel", [True, False], ids=["save_slot_kv", "torch-copies"])
+def test_save_decoded_copies_each_position_to_its_block(model, kernel, monkeypatch):
     """A finished sample's decoded KV (position p of sample m at P + (p - P) * width + m in its group region) lands at
-    table[p // block] * block + p % block, runs crossing block boundaries included; nothing else is written."""
+    table[p // block] * block + p % block, runs crossing block boundaries included; nothing else is written. Both the
+    C++ copy (where the kernels run) and the strided torch copies."""
+    if kernel and cpu_kernels.load() is None:
+        pytest.skip("CPU kernels not built here")
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "save_slot_kv_runs", lambda cache: False)
     eng = engine(model)
     eng.generate([Request(list(range(200, 237)), SamplingParams(n=4, max_new_tokens=30, ignore_eos=True, seed=0))])
     r = eng.runner

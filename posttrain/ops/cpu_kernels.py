@@ -215,6 +215,18 @@ def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch
     return _module.counter_uniforms(seed, sample_index, step)
 
 
+def save_slot_kv_runs(cache: torch.Tensor) -> bool:
+    """Whether `save_slot_kv` copies for the engine's paged KV `cache`: a CPU tensor, the kernels built."""
+    return cache.device.type == "cpu" and load() is not None
+
+
+def save_slot_kv(k_slot, v_slot, k_cache, v_cache, gs: int, first: int, width: int, dst: list[int]) -> None:
+    """Copy n decoded tokens' KV of one sequence, token t at position first + t * width of group slot gs in k_slot /
+    v_slot (layers, groups, KV, cap, D), to rows dst[t] of k_cache / v_cache (layers, rows, KV, D), in one C++ call
+    (the runner's strided-copy twin: `Runner.save_decoded`)."""
+    _module.save_slot_kv(k_slot, v_slot, k_cache, v_cache, gs, first, width, torch.tensor(dst, dtype=torch.long))
+
+
 def row_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, ngen: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`counter_uniforms(seed[rows], sample_index[rows], ngen[rows])` in one call: contiguous int64 CPU tensors
     (the engine's per-slot state (slots,) and its running slots (N,)) -> (N,) float64."""

@@ -290,18 +290,23 @@ def decode_layers_runs() -> bool:
     return load() is not None and _module.gemm_kernel_available() and _module.group_attention_available()
 
 
-def decode_layers(x, layers, widths, glu, eps, windows: list[int], cos, sin, k_slot, v_slot, member, off, prompt,
-                  scale: float, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+def decode_plan(layers, widths, glu, eps, windows: list[int]):
+    """The weights `decode_layers` runs, held by the C++ side between steps (built again at each weight sync).
+    layers[i]: [norm_in w, qkv panels, qkv bias, o panels, o bias, norm_post w, gate|up panels, gate|up bias, down
+    panels, down bias] (no bias: an empty tensor); widths[i]: those four linears' output columns; glu[i]: gate|up
+    packed for the SwiGLU epilogue; eps: two per layer; windows[i]: layer i's sliding window or 0."""
+    return _module.DecodePlan(layers, widths, glu, eps, windows)
+
+
+def decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale: float, heads: int, kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
     """A decode step's Llama-style decoder layers in one call (csrc/decode_kernel.cpp): per layer the kernels
     `runner.Runner._forward` calls on its fast path (RMSNorm, q|k|v `gemm_packed`, `rope`, `group_attention`, o with
     the residual, RMSNorm, gate|up with the SwiGLU epilogue or `swiglu_fwd` / `silu_mul`, down with the residual), in
-    that order: the Python loop's result bit for bit. layers[i]: [norm_in w, qkv panels, qkv bias, o panels, o bias,
-    norm_post w, gate|up panels, gate|up bias, down panels, down bias] (no bias: an empty tensor); widths[i]: those
-    four linears' output columns; glu[i]: gate|up packed for the SwiGLU epilogue; eps: two per layer; windows[i]:
-    layer i's sliding window or 0; cos/sin (N, D) the step's RoPE rows; k_slot/v_slot (layers, groups, KV, cap, D) and
-    member/off/prompt/scale as `group_attention` takes them. -> x after the last layer, before the final norm."""
-    return _module.decode_layers(x, layers, widths, glu, eps, windows, cos, sin, k_slot, v_slot, member, off, prompt,
-                                 scale, heads, kv_heads, head_dim)
+    that order: the Python loop's result bit for bit. plan: `decode_plan`'s; cos/sin (N, D) the step's RoPE rows;
+    k_slot/v_slot (layers, groups, KV, cap, D) and member/off/prompt/scale as `group_attention` takes them. -> x after
+    the last layer, before the final norm."""
+    return _module.decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale, heads, kv_heads, head_dim)
 
 
 def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

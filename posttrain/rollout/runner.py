@@ -443,7 +443,7 @@ class Runner:
         self._loop = self._loop_args()
 
     def _loop_args(self):
-        """(layers, widths, glu, eps, windows) for `cpu_kernels.decode_layers`, or None where a layer needs something it does
+        """The `cpu_kernels.decode_plan` (layer weights, widths, glu, eps, windows) for `decode_layers`, or None where a layer needs something it does
         not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
         table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
         norm and SwiGLU on the kernel `__call__` / `_gated` would run (so the loop computes what they compute)."""
@@ -465,7 +465,7 @@ class Runner:
             widths.append([lin.n for lin in lins])
             glu.append(lins[2].glu)
             eps += [float(norms[0].eps), float(norms[1].eps)]
-        return parts, widths, glu, eps, [w or 0 for w in self.windows]
+        return cpu_kernels.decode_plan(parts, widths, glu, eps, [w or 0 for w in self.windows])
 
     def memory_bytes(self) -> int:
         """What the runner allocates beside the model: the paged KV cache and the packed weight copies."""
@@ -691,7 +691,7 @@ class Runner:
         off, ngs = self._slot_offsets(positions, rows)
         cos, sin = self._tables[0]
         return cpu_kernels.decode_layers(
-            self.embedding(tokens), *self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot,
+            self.embedding(tokens), self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot,
             self._members(rows, ngs), off, self.prompt_len[:ngs], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim)
 
     def _masked_slot_attend(self, positions, rows, off, ngs: int):

@@ -209,11 +209,7 @@ bool gemm_kernel_available();
 bool gemm_bf16_kernel_available();
 int64_t gemm_panel_width();
 // a decode step's decoder layers, the kernels above in runner._forward's order (decode_kernel.cpp)
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
-                            const std::vector<std::vector<int64_t>>& widths, const std::vector<bool>& glu,
-                            const std::vector<double>& eps, const std::vector<int64_t>& windows, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
-                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D);
+#include "decode_plan.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "HF RMSNorm, bf16");
@@ -253,6 +249,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");
   m.def("gemm_kernel_available", &gemm_kernel_available, "whether gemm_packed was built (x86-64 with AVX2 and FMA)");
   m.def("gemm_panel_width", &gemm_panel_width, "output columns per packed panel (16 with AVX2, 32 with AVX-512)");
+  py::class_<DecodePlan>(m, "DecodePlan", "decode_layers' per-layer weights, widths, glu flags, eps and windows")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<bool>,
+                    std::vector<double>, std::vector<int64_t>>());
   m.def("decode_layers", &decode_layers, "a decode step's Llama-style decoder layers over the group KV (runner._forward's kernels)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

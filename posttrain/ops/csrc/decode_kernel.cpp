@@ -16,7 +16,10 @@
 //   x  = gemm_packed(g, W_down, residual = x)
 #include <torch/extension.h>
 
+#include <utility>
 #include <vector>
+
+#include "decode_plan.h"
 
 torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u);
@@ -43,38 +46,47 @@ enum { NORM_IN, QKV, QKV_B, O, O_B, NORM_POST, GATE_UP, GATE_UP_B, DOWN, DOWN_B,
 
 }  // namespace
 
-// x (N, hidden) the residual stream after the embedding; layers[i]: the PARTS tensors above (packed panels, norm weights,
-// biases or empty tensors); widths[i]: output columns of q|k|v, o, gate|up, down; glu[i]: gate|up packed for the SwiGLU
-// epilogue; eps[2i], eps[2i+1]: the two norms'; windows[i]: layer i's sliding window or 0; cos/sin (N, D): this step's
-// RoPE rows; k_slot/v_slot (layers, groups, KV, cap, D): the group KV (member, off, prompt, scale as group_attention takes
-// them). Returns x after the last layer (before the final norm).
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<std::vector<torch::Tensor>>& layers,
-                            const std::vector<std::vector<int64_t>>& widths, const std::vector<bool>& glu,
-                            const std::vector<double>& eps, const std::vector<int64_t>& windows, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
+// layers[i]: the PARTS tensors above (packed panels, norm weights, biases or empty tensors); widths[i]: output columns of
+// q|k|v, o, gate|up, down; glu[i]: gate|up packed for the SwiGLU epilogue; eps[2i], eps[2i+1]: the two norms';
+// windows[i]: layer i's sliding window or 0. Built once per weight sync (`decode_plan`): converting these ~300 tensors
+// from Python lists at every step cost ~0.2 ms of a decode step (cold objects behind the step's kernels).
+DecodePlan::DecodePlan(std::vector<std::vector<torch::Tensor>> layers_, std::vector<std::vector<int64_t>> widths_,
+                       std::vector<bool> glu_, std::vector<double> eps_, std::vector<int64_t> windows_)
+    : layers(std::move(layers_)), widths(std::move(widths_)), glu(std::move(glu_)), eps(std::move(eps_)),
+      windows(std::move(windows_)) {
+  const size_t L = layers.size();
+  TORCH_CHECK(widths.size() == L && glu.size() == L && eps.size() == 2 * L && windows.size() == L,
+              "decode_plan: one entry per layer");
+  for (size_t i = 0; i < L; ++i)
+    TORCH_CHECK(layers[i].size() == PARTS && widths[i].size() == 4, "decode_plan: layer ", i, ": weights or widths");
+}
+
+// x (N, hidden) the residual stream after the embedding; cos/sin (N, D): this step's RoPE rows; k_slot/v_slot (layers,
+// groups, KV, cap, D): the group KV (member, off, prompt, scale as group_attention takes them). Returns x after the last
+// layer (before the final norm).
+torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
                             torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D) {
-  const int64_t L = static_cast<int64_t>(layers.size()), N = x.size(0), nqk = (H + KV) * D;
-  TORCH_CHECK(static_cast<int64_t>(widths.size()) == L && static_cast<int64_t>(glu.size()) == L &&
-                  static_cast<int64_t>(eps.size()) == 2 * L && static_cast<int64_t>(windows.size()) == L && k_slot.size(0) >= L,
-              "decode_layers: one entry per layer");
+  const int64_t L = static_cast<int64_t>(plan.layers.size()), N = x.size(0), nqk = (H + KV) * D;
+  TORCH_CHECK(k_slot.size(0) >= L, "decode_layers: the group KV holds ", k_slot.size(0), " layers, not ", L);
   for (int64_t i = 0; i < L; ++i) {
-    const auto& w = layers[i];
-    TORCH_CHECK(static_cast<int64_t>(w.size()) == PARTS && widths[i].size() == 4 && widths[i][0] == nqk + KV * D,
-                "decode_layers: layer ", i, ": weights or widths");
-    const torch::Tensor qkv = gemm_packed(norm(x, w[NORM_IN], eps[2 * i]), w[QKV], widths[i][0], opt(w[QKV_B]), c10::nullopt,
-                                          false, c10::nullopt);
+    const auto& w = plan.layers[i];
+    const auto& widths = plan.widths[i];
+    TORCH_CHECK(widths[0] == nqk + KV * D, "decode_layers: layer ", i, ": q|k|v width");
+    const torch::Tensor qkv = gemm_packed(norm(x, w[NORM_IN], plan.eps[2 * i]), w[QKV], widths[0], opt(w[QKV_B]),
+                                          c10::nullopt, false, c10::nullopt);
     const torch::Tensor q = qkv.slice(1, 0, H * D).view({N, H, D}), k = qkv.slice(1, H * D, nqk).view({N, KV, D});
     const torch::Tensor v = qkv.slice(1, nqk, nqk + KV * D).view({N, KV, D});
-    const torch::Tensor a = group_attention(q, k, v, k_slot[i], v_slot[i], member, off, prompt, scale, windows[i], cos, sin);
-    x = gemm_packed(a, w[O], widths[i][1], opt(w[O_B]), x, false, c10::nullopt);
-    torch::Tensor g = gemm_packed(norm(x, w[NORM_POST], eps[2 * i + 1]), w[GATE_UP], widths[i][2], opt(w[GATE_UP_B]),
-                                  c10::nullopt, glu[i], c10::nullopt);
-    if (!glu[i]) {
+    const torch::Tensor a = group_attention(q, k, v, k_slot[i], v_slot[i], member, off, prompt, scale, plan.windows[i], cos, sin);
+    x = gemm_packed(a, w[O], widths[1], opt(w[O_B]), x, false, c10::nullopt);
+    torch::Tensor g = gemm_packed(norm(x, w[NORM_POST], plan.eps[2 * i + 1]), w[GATE_UP], widths[2], opt(w[GATE_UP_B]),
+                                  c10::nullopt, plan.glu[i], c10::nullopt);
+    if (!plan.glu[i]) {
       const int64_t I = g.size(1) / 2;
       g = g.scalar_type() == torch::kFloat32 ? swiglu_fwd(g.slice(1, 0, I), g.slice(1, I, 2 * I))
                                              : silu_mul(g.slice(1, 0, I), g.slice(1, I, 2 * I));
     }
-    x = gemm_packed(g, w[DOWN], widths[i][3], opt(w[DOWN_B]), x, false, c10::nullopt);
+    x = gemm_packed(g, w[DOWN], widths[3], opt(w[DOWN_B]), x, false, c10::nullopt);
   }
   return x;
 }

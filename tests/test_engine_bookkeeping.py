@@ -1,6 +1,7 @@
-"""The engine's per-step bookkeeping on CPU (`cpu_kernels.row_uniforms` / `record_tokens`, two C++ calls) against
-its tensor-op twin (`counter_uniforms` on gathered rows, `Engine._record`), and the plain-row shortcut of
-`sample_logits` (`all_plain`): the same values, on random states and through whole generate calls."""
+"""The engine's per-step bookkeeping on CPU (`cpu_kernels.row_uniforms`, `record_tokens`, `slot_layout`: one C++ call
+each) against its tensor-op twins (`counter_uniforms` on gathered rows, `Engine._record`, `Runner._slot_offsets` +
+`_members`), and the plain-row shortcut of `sample_logits` (`all_plain`): the same values, on random states and
+through whole generate calls."""
 import types
 
 import pytest
@@ -10,6 +11,7 @@ from posttrain.models.loading import load_model, load_tokenizer
 from posttrain.ops import cpu_kernels as K
 from posttrain.ops import sampling as S
 from posttrain.rollout.engine import Engine, EngineConfig
+from posttrain.rollout.runner import Runner
 from posttrain.rollout.types import Request, SamplingParams
 
 needs_kernels = pytest.mark.skipif(K.load() is None, reason="CPU kernels not built here")
@@ -58,6 +60,24 @@ def test_row_uniforms_equal_counter_uniforms_at_the_rows():
     assert torch.equal(K.row_uniforms(st.seed, st.sidx, st.ngen, rows), want)
     with pytest.raises(RuntimeError, match="outside 64 slots"):
         K.row_uniforms(st.seed, st.sidx, st.ngen, torch.tensor([64]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("width", [1, 4, 8])
+def test_slot_layout_equals_the_tensor_ops(width):
+    g = torch.Generator().manual_seed(width)
+    slots = 64
+    rows = torch.randperm(slots, generator=g)[:40]  # running slots in any order, some group slots idle
+    prompt_len = torch.randint(3, 30, (slots // width,), generator=g)
+    positions = prompt_len[rows // width] + torch.randint(0, 20, (40,), generator=g)
+    reach = []
+    twin = types.SimpleNamespace(width=width, prompt_len=prompt_len, device=torch.device("cpu"), _ensure_slot_kv=reach.append)
+    off, ngs = Runner._slot_offsets(twin, positions, rows)
+    members = Runner._members(twin, rows, ngs)
+    got_off, got_members, top = K.slot_layout(rows, positions, prompt_len, width)
+    assert torch.equal(got_off, off) and torch.equal(got_members, members) and [top] == reach
+    with pytest.raises(RuntimeError, match="outside the slots"):
+        K.slot_layout(torch.tensor([slots]), positions[:1], prompt_len, width)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -84,7 +84,8 @@ def _build(name: str):
     # -fno-trapping-math: FP compares may be if-converted, so loops with clamps vectorize on AVX2 (GCC 12 left the
     # SwiGLU loops scalar there: 2-3x slower than eager; an SFT step -4% with them vectorized, AMD Zen 3). It allows
     # no reassociation or contraction: every element's result is the same.
-    parts = ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp", "gemm_kernel.cpp", "decode_kernel.cpp")
+    parts = ("train_kernels.cpp", "sample_kernel.cpp", "attention_kernel.cpp", "gemm_kernel.cpp", "decode_kernel.cpp",
+             "step_kernel.cpp")
     args = dict(name=name, sources=[str(_SOURCE), *(str(_SOURCE.with_name(f)) for f in parts)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)  # torch's libgomp at run time
@@ -215,6 +216,15 @@ def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch
     return _module.counter_uniforms(seed, sample_index, step)
 
 
+def slot_layout(rows: torch.Tensor, positions: torch.Tensor, prompt_len: torch.Tensor, width: int):
+    """(off (N,), members (groups, width), top) in one C++ call (csrc/step_kernel.cpp; the runner's tensor-op twin is
+    `Runner._slot_offsets` + `_members`): where running slot rows[i] at positions[i] puts its new KV in its group
+    region, the batch row of each group slot's sample (-1: idle), and how far the region must reach. Contiguous int64
+    CPU tensors."""
+    off, members, top = _module.slot_layout(rows, positions, prompt_len, width)
+    return off, members, int(top)
+
+
 def save_slot_kv_runs(cache: torch.Tensor) -> bool:
     """Whether `save_slot_kv` copies for the engine's paged KV `cache`: a CPU tensor, the kernels built."""
     return cache.device.type == "cpu" and load() is not None
@@ -234,7 +244,7 @@ def row_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, ngen: torch.Ten
 
 
 def record_tokens(rows, tok, lp, kept, ngen, ntok, last, out_tok, out_lp, out_kept, stop_ids, max_new, has_stop_str) -> list[int]:
-    """The engine's bookkeeping of one draw per running slot in one C++ call (csrc/sample_kernel.cpp; its tensor-op
+    """The engine's bookkeeping of one draw per running slot in one C++ call (csrc/step_kernel.cpp; its tensor-op
     twin is `Engine._record`): row i's token, log-prob and kept count (N,) go to slot rows[i] of out_tok / out_lp /
     out_kept (slots, L) at completion index ngen[slot]; ngen, ntok, last (slots,) advance; returns the indices i
     whose slot stopped (its token is in stop_ids (slots, k), or ngen reached max_new) or has stop strings to check

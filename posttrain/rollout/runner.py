@@ -662,12 +662,12 @@ class Runner:
         own tokens. The new k/v go to `off` first. Where the fused kernel runs (CPU, bf16/fp32, no soft-cap),
         it visits only the keys each query sees (`cpu_kernels.group_attention`); elsewhere one masked SDPA
         call covers every group (`_masked_slot_attend`)."""
-        off, ngs = self._slot_offsets(positions, rows)
         if self.group_kernel:
-            member, prompt, scale = self._members(rows, ngs), self.prompt_len[:ngs], self.recipe.scale
+            off, member = self._slot_layout(positions, rows)
+            prompt, scale = self.prompt_len[:member.shape[0]], self.recipe.scale
             return lambda i, q, k, v: cpu_kernels.group_attention(
                 q, k, v, self.k_slot[i], self.v_slot[i], member, off, prompt, scale, self.windows[i])
-        return self._masked_slot_attend(positions, rows, off, ngs)
+        return self._masked_slot_attend(positions, rows, *self._slot_offsets(positions, rows))
 
     def _slot_offsets(self, positions, rows) -> tuple[torch.Tensor, int]:
         """(off (B,): where each row's new token goes in its group region, the group slots in use); the region
@@ -680,6 +680,17 @@ class Runner:
         self._ensure_slot_kv(int(off.max()) + 1)
         return off, ngs
 
+    def _slot_layout(self, positions, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(off (B,), members (group slots in use, W)) for the group-attention kernel, the region grown to hold them:
+        `_slot_offsets` and `_members` in one C++ call where the kernels run (each small tensor op costs tens of
+        microseconds in a decode step)."""
+        if self.device.type == "cpu" and cpu_kernels.load() is not None:
+            off, members, top = cpu_kernels.slot_layout(rows, positions, self.prompt_len, self.width)
+            self._ensure_slot_kv(top)
+            return off, members
+        off, ngs = self._slot_offsets(positions, rows)
+        return off, self._members(rows, ngs)
+
     def _members(self, rows, ngs: int) -> torch.Tensor:
         """(ngs, W) int64: the batch row of each group slot's sample, -1 where the slot is idle."""
         return torch.full((ngs * self.width,), -1, dtype=torch.long, device=self.device).index_copy_(
@@ -688,11 +699,11 @@ class Runner:
     def _decode_layers(self, tokens, positions, rows) -> torch.Tensor:
         """`_forward`'s layers over the group KV in one C++ call (`cpu_kernels.decode_layers`, see `_loop_args`): the
         same kernels on the same tensors in the same order, without the interpreter between them."""
-        off, ngs = self._slot_offsets(positions, rows)
+        off, members = self._slot_layout(positions, rows)
         cos, sin = self._tables[0]
         return cpu_kernels.decode_layers(
-            self.embedding(tokens), self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot,
-            self._members(rows, ngs), off, self.prompt_len[:ngs], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim)
+            self.embedding(tokens), self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot, members, off,
+            self.prompt_len[:members.shape[0]], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim)
 
     def _masked_slot_attend(self, positions, rows, off, ngs: int):
         """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its

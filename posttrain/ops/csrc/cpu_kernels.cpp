@@ -16,11 +16,9 @@
 // ~0.7 ns per element (72 us at 64 x 1536, AMD Zen 4) plus ~22 us for the product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <type_traits>
 
 #include "bf16.h"
@@ -124,52 +122,6 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 }
 
 // training kernels (train_kernels.cpp)
-// runner.save_decoded's copy in one call: the KV of n decoded tokens of one sequence, token t at position
-// first + t * width of group slot gs in k_slot / v_slot (layers, groups, KV, cap, D), to row dst[t] of k_cache / v_cache
-// (layers, rows, KV, D), every layer and head (any dtype: rows of D elements are copied as bytes). Threads split the
-// layers' K and V. The strided torch copies it replaces took ~0.4 ms a sequence of SmolLM2 (1.5 MB of KV for 64
-// tokens): ~25 ms when a batch of 64 finishes.
-void save_slot_kv(torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor k_cache, torch::Tensor v_cache, int64_t gs,
-                  int64_t first, int64_t width, torch::Tensor dst) {
-  for (const auto& t : {k_slot, v_slot, k_cache, v_cache})
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == k_slot.scalar_type(),
-                "save_slot_kv: contiguous CPU tensors of one dtype");
-  TORCH_CHECK(k_slot.dim() == 5 && v_slot.sizes() == k_slot.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                  k_cache.size(0) == k_slot.size(0) && k_cache.size(2) == k_slot.size(2) && k_cache.size(3) == k_slot.size(4),
-              "save_slot_kv: slot KV (layers, groups, KV, cap, D) and paged KV (layers, rows, KV, D) of one model");
-  TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == at::kLong && dst.is_contiguous(), "save_slot_kv: int64 dst rows");
-  const int64_t layers = k_slot.size(0), G = k_slot.size(1), KV = k_slot.size(2), cap = k_slot.size(3), rows = k_cache.size(1);
-  const int64_t n = dst.numel();
-  const int64_t* d = dst.data_ptr<int64_t>();
-  TORCH_CHECK(gs >= 0 && gs < G && first >= 0 && width >= 1 && (n == 0 || first + (n - 1) * width < cap),
-              "save_slot_kv: positions outside the group region");
-  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(d[t] >= 0 && d[t] < rows, "save_slot_kv: dst row ", d[t], " outside ", rows);
-  const int64_t row = k_slot.size(4) * static_cast<int64_t>(k_slot.element_size());  // bytes of one head's D values
-  const auto* ks = static_cast<const char*>(k_slot.data_ptr());
-  const auto* vs = static_cast<const char*>(v_slot.data_ptr());
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  at::parallel_for(0, 2 * layers, 1, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      const int64_t l = j / 2;
-      const char* src = (j % 2 ? vs : ks) + (l * G + gs) * KV * cap * row;
-      char* out = (j % 2 ? vc : kc) + l * rows * KV * row;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t ahead = std::min(t + 8, n - 1);  // rows are a stride apart in the region, far apart in the cache:
-        for (int64_t h = 0; h < KV; ++h) {              // fetch the lines 8 tokens ahead (the copy waits on memory)
-          const char* s_ahead = src + (h * cap + first + ahead * width) * row;
-          char* o_ahead = out + (d[ahead] * KV + h) * row;
-          for (int64_t c = 0; c < row; c += 64) {
-            __builtin_prefetch(s_ahead + c, 0, 0);
-            __builtin_prefetch(o_ahead + c, 1, 0);
-          }
-          std::memcpy(out + (d[t] * KV + h) * row, src + (h * cap + first + t * width) * row, row);
-        }
-      }
-    }
-  });
-}
-
 torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u);
 std::vector<torch::Tensor> swiglu_bwd(torch::Tensor gh, torch::Tensor g, torch::Tensor u);
 std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double eps);
@@ -186,10 +138,14 @@ torch::Tensor exp_rows_(torch::Tensor z, torch::Tensor shift);
 torch::Tensor exp_lanes_(torch::Tensor z, int64_t lanes, bool sleef);
 torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step);
 torch::Tensor row_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor ngen, torch::Tensor rows);
+// the engine's per-step bookkeeping (step_kernel.cpp)
 torch::Tensor record_tokens(torch::Tensor rows, torch::Tensor tok, torch::Tensor lp, torch::Tensor kept,
                             torch::Tensor ngen, torch::Tensor ntok, torch::Tensor last, torch::Tensor out_tok,
                             torch::Tensor out_lp, torch::Tensor out_kept, torch::Tensor stop_ids,
                             torch::Tensor max_new, torch::Tensor has_stop_str);
+std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positions, torch::Tensor prompt_len, int64_t width);
+void save_slot_kv(torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor k_cache, torch::Tensor v_cache, int64_t gs,
+                  int64_t first, int64_t width, torch::Tensor dst);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
@@ -228,6 +184,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("counter_uniforms", &counter_uniforms, "sampling.counter_uniforms (seed, sample index, step) int64 -> float64, one pass");
   m.def("save_slot_kv", &save_slot_kv, "runner.save_decoded's copy of a sequence's decoded KV to its paged rows");
+  m.def("slot_layout", &slot_layout, "runner._slot_offsets + _members in one call: (off, members (groups, width), top)");
   m.def("row_uniforms", &row_uniforms, "counter_uniforms(seed[rows], sample_index[rows], ngen[rows])");
   m.def("record_tokens", &record_tokens, "the engine's bookkeeping of one draw per row; -> the rows to look at");
   m.def("exp_lanes_", &exp_lanes_, "z <- exp(z) in place, 8 or 16 lanes at a time: torch's SLEEF (sleef) or the inline copy");

@@ -46,13 +46,14 @@ inline double uniform_of(int64_t seed, int64_t sample_index, int64_t step) {
   h = lowbias32(h ^ static_cast<uint32_t>(bits >> 32));
   return static_cast<double>(h >> 8) / static_cast<double>(1 << 24);
 }
+}  // namespace
 
+// `what`'s arguments must be contiguous CPU tensors of `dtype` (also step_kernel.cpp's)
 void check_rows(const char* what, std::initializer_list<torch::Tensor> ts, torch::ScalarType dtype) {
   for (const auto& t : ts)
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous(), what, ": contiguous ",
                 c10::toString(dtype), " CPU tensors");
 }
-}  // namespace
 
 torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor step) {
   check_rows("counter_uniforms", {seed, sample_index, step}, at::kLong);
@@ -64,12 +65,11 @@ torch::Tensor counter_uniforms(torch::Tensor seed, torch::Tensor sample_index, t
   return out;
 }
 
-// The engine's per-step bookkeeping around a draw (rollout/engine.py `_sample_and_record`), for engine slots
-// `rows` (N,): in two calls instead of ~30 small tensor ops, each of which pays tens of microseconds in a decode
-// step (code and data gone cold behind the step's kernels).
-// row_uniforms: counter_uniforms(seed[rows], sample_index[rows], ngen[rows]).
+// counter_uniforms(seed[rows], sample_index[rows], ngen[rows]) for the engine's slots `rows` (N,) in one call (the
+// gathers are small tensor ops, each tens of microseconds in a decode step: step_kernel.cpp says why).
 torch::Tensor row_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch::Tensor ngen, torch::Tensor rows) {
   check_rows("row_uniforms", {seed, sample_index, ngen, rows}, at::kLong);
+  TORCH_CHECK(sample_index.numel() == seed.numel() && ngen.numel() == seed.numel(), "row_uniforms: per-slot tensors of one size");
   auto out = torch::empty({rows.numel()}, seed.options().dtype(at::kDouble));
   const auto *s = seed.data_ptr<int64_t>(), *m = sample_index.data_ptr<int64_t>(), *g = ngen.data_ptr<int64_t>();
   const int64_t* r = rows.data_ptr<int64_t>();
@@ -79,41 +79,6 @@ torch::Tensor row_uniforms(torch::Tensor seed, torch::Tensor sample_index, torch
     u[i] = uniform_of(s[r[i]], m[r[i]], g[r[i]]);
   }
   return out;
-}
-
-// record_tokens: row i's draw (tok, lp, kept) goes to its slot r = rows[i] at completion index g = ngen[r]
-// (out_tok, out_lp, out_kept (slots, L)); ngen[r] = g + 1, ntok[r] += 1, last[r] = tok. Returns the i (ascending)
-// whose slot must be looked at: tok is one of stop_ids[r] (slots, k; -1 pads), g + 1 >= max_new[r], or
-// has_stop_str[r].
-torch::Tensor record_tokens(torch::Tensor rows, torch::Tensor tok, torch::Tensor lp, torch::Tensor kept,
-                            torch::Tensor ngen, torch::Tensor ntok, torch::Tensor last, torch::Tensor out_tok,
-                            torch::Tensor out_lp, torch::Tensor out_kept, torch::Tensor stop_ids,
-                            torch::Tensor max_new, torch::Tensor has_stop_str) {
-  check_rows("record_tokens", {rows, tok, kept, ngen, ntok, last, out_tok, stop_ids, max_new}, at::kLong);
-  check_rows("record_tokens", {lp, out_lp}, at::kFloat);
-  check_rows("record_tokens", {out_kept}, at::kInt);
-  check_rows("record_tokens", {has_stop_str}, at::kBool);
-  const int64_t N = rows.numel(), S = ngen.numel(), L = out_tok.size(1), K = stop_ids.size(1);
-  TORCH_CHECK(tok.numel() == N && lp.numel() == N && kept.numel() == N, "record_tokens: one draw per row");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  std::vector<int64_t> hits;
-  for (int64_t i = 0; i < N; ++i) {
-    const int64_t k = r[i], t = tok.data_ptr<int64_t>()[i];
-    TORCH_CHECK(k >= 0 && k < S, "record_tokens: row ", k, " outside ", S, " slots");
-    const int64_t g = ngen.data_ptr<int64_t>()[k];
-    TORCH_CHECK(g >= 0 && g < L, "record_tokens: slot ", k, " is full (", g, " of ", L, " tokens)");
-    out_tok.data_ptr<int64_t>()[k * L + g] = t;
-    out_lp.data_ptr<float>()[k * L + g] = lp.data_ptr<float>()[i];
-    out_kept.data_ptr<int32_t>()[k * L + g] = static_cast<int32_t>(kept.data_ptr<int64_t>()[i]);
-    ngen.data_ptr<int64_t>()[k] = g + 1;
-    ntok.data_ptr<int64_t>()[k] += 1;
-    last.data_ptr<int64_t>()[k] = t;
-    const int64_t* stops = stop_ids.data_ptr<int64_t>() + k * K;
-    bool hit = g + 1 >= max_new.data_ptr<int64_t>()[k] || has_stop_str.data_ptr<bool>()[k];
-    for (int64_t j = 0; j < K && !hit; ++j) hit = stops[j] == t;
-    if (hit) hits.push_back(i);
-  }
-  return torch::tensor(hits, rows.options());
 }
 
 #if defined(__x86_64__) && defined(__AVX2__)  // built with -march=native: AVX2 machines (else the eager path runs)

@@ -206,7 +206,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_kernel_available", &gemm_bf16_kernel_available, "whether the bf16 variant was built (AVX-512 BF16)");
   m.def("gemm_kernel_available", &gemm_kernel_available, "whether gemm_packed was built (x86-64 with AVX2 and FMA)");
   m.def("gemm_panel_width", &gemm_panel_width, "output columns per packed panel (16 with AVX2, 32 with AVX-512)");
-  py::class_<DecodePlan>(m, "DecodePlan", "decode_layers' per-layer weights, widths, glu flags, eps and windows")
+  py::class_<DecodePlan>(m, "DecodePlan", "decode_layers' per-layer weights, widths, glu flags, eps and windows",
+                         py::module_local())  // local: two builds of the extension may be loaded in one process
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<bool>,
                     std::vector<double>, std::vector<int64_t>>());
   m.def("decode_layers", &decode_layers, "a decode step's Llama-style decoder layers over the group KV (runner._forward's kernels)");

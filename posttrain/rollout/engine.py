@@ -346,15 +346,14 @@ class Engine:
 
     def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
-        host = self._host_kernels  # CPU: the bookkeeping in two C++ calls instead of ~30 small tensor ops
-        g = None if host else self.ngen[rows]
-        u = cpu_kernels.row_uniforms(self.seed, self.sidx, self.ngen, rows) if host else \
-            counter_uniforms(self.seed[rows], self.sidx[rows], g)
-        tok, lp, kept = sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows], u, with_kept=True,
-                                      all_plain=not self._unplain)
-        hits = cpu_kernels.record_tokens(rows, tok, lp, kept, self.ngen, self.ntok, self.last, self.out_tok, self.out_lp,
-                                         self.out_kept, self.stop_ids, self.max_new, self.has_stop_str) if host else \
-            self._record(rows, g, tok, lp, kept)
+        if self._host_kernels:  # CPU: the bookkeeping in two C++ calls instead of ~30 small tensor ops
+            tok, lp, kept = self._draw(rows, logits, cpu_kernels.row_uniforms(self.seed, self.sidx, self.ngen, rows))
+            hits = cpu_kernels.record_tokens(rows, tok, lp, kept, self.ngen, self.ntok, self.last, self.out_tok,
+                                             self.out_lp, self.out_kept, self.stop_ids, self.max_new, self.has_stop_str)
+        else:
+            g = self.ngen[rows]
+            tok, lp, kept = self._draw(rows, logits, counter_uniforms(self.seed[rows], self.sidx[rows], g))
+            hits = self._record(rows, g, tok, lp, kept)
         self.stats.generated_tokens += rows.numel()
         if self._reporting:  # requests that asked for their tokens' model log-probs (Python work for those rows only)
             self._record_model_logprobs(seqs, logits, tok)
@@ -362,6 +361,11 @@ class Engine:
         for seq, stop, reason in finished:
             if stop is not None or reason == "length":
                 self._finish(seq, reason, stop)
+
+    def _draw(self, rows: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor):
+        """(tokens, behaviour log-probs, kept counts) of the rows' draws with their slots' sampling parameters."""
+        return sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows], uniforms, with_kept=True,
+                             all_plain=not self._unplain)
 
     def _record(self, rows: torch.Tensor, g: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, kept: torch.Tensor) -> list[int]:
         """`cpu_kernels.record_tokens` in tensor ops (any device): store row i's draw at its slot rows[i]'s completion

@@ -419,7 +419,7 @@ class Runner:
         if start < P:  # the prompt's KV is in the blocks already (prefill writes them); a slice would wrap around
             raise ValueError(f"save_decoded: start {start} is inside the group's prompt (P = {P})")
         first = P + (start - P) * self.width + m
-        if cpu_kernels.save_slot_kv_runs(self.k_cache):  # one C++ call: ~20x faster than the copies below
+        if cpu_kernels.save_slot_kv_runs(self.k_cache):  # one C++ call (the copies below: ~2x as long on the CPU)
             dst = [table[p // bs] * bs + p % bs for p in range(start, end)]
             cpu_kernels.save_slot_kv(self.k_slot, self.v_slot, self.k_cache, self.v_cache, gs, first, self.width, dst)
             return
@@ -443,8 +443,8 @@ class Runner:
         self._loop = self._loop_args()
 
     def _loop_args(self):
-        """The `cpu_kernels.decode_plan` (layer weights, widths, glu, eps, windows) for `decode_layers`, or None where a layer needs something it does
-        not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
+        """The `cpu_kernels.decode_plan` (layer weights, widths, glu, eps, windows) for `decode_layers`, or None where a
+        layer needs something it does not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
         table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
         norm and SwiGLU on the kernel `__call__` / `_gated` would run (so the loop computes what they compute)."""
         r, dt = self.recipe, self.dtype

@@ -118,7 +118,7 @@ def test_generate_is_the_same_with_the_tensor_op_bookkeeping(name):
         runs = []
         for host in (True, False):
             eng = Engine(model, tok, EngineConfig(max_num_seqs=8, max_model_len=96, kv_cache_mb=8))
-            eng._host_kernels = host
+            eng.runner.step_kernels = host
             outs = eng.generate(reqs)
             assert eng._unplain == 0 and eng._reporting == 0
             runs.append([(s.token_ids, s.logprobs, s.kept_counts, s.finish_reason, s.stop_reason) for o in outs for s in o.samples])

@@ -131,15 +131,14 @@ def test_group_prefill_once_and_multi_turn_prefix_cache(model):
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["save_slot_kv", "torch-copies"])
-def test_save_decoded_copies_each_position_to_its_block(model, kernel, monkeypatch):
+def test_save_decoded_copies_each_position_to_its_block(model, kernel):
     """A finished sample's decoded KV (position p of sample m at P + (p - P) * width + m in its group region) lands at
     table[p // block] * block + p % block, runs crossing block boundaries included; nothing else is written. Both the
     C++ copy (where the kernels run) and the strided torch copies."""
     if kernel and cpu_kernels.load() is None:
         pytest.skip("CPU kernels not built here")
-    if not kernel:
-        monkeypatch.setattr(cpu_kernels, "save_slot_kv_runs", lambda cache: False)
     eng = engine(model)
+    eng.runner.step_kernels = kernel
     eng.generate([Request(list(range(200, 237)), SamplingParams(n=4, max_new_tokens=30, ignore_eos=True, seed=0))])
     r = eng.runner
     g = torch.Generator().manual_seed(0)

@@ -225,9 +225,10 @@ def slot_layout(rows: torch.Tensor, positions: torch.Tensor, prompt_len: torch.T
     return off, members, int(top)
 
 
-def save_slot_kv_runs(cache: torch.Tensor) -> bool:
-    """Whether `save_slot_kv` copies for the engine's paged KV `cache`: a CPU tensor, the kernels built."""
-    return cache.device.type == "cpu" and load() is not None
+def step_kernels_run(device: torch.device) -> bool:
+    """Whether the engine's per-step C++ (`record_tokens`, `row_uniforms`, `slot_layout`, `save_slot_kv`) runs for
+    its state on `device`: the CPU, the kernels built."""
+    return torch.device(device).type == "cpu" and load() is not None
 
 
 def save_slot_kv(k_slot, v_slot, k_cache, v_cache, gs: int, first: int, width: int, dst: list[int]) -> None:

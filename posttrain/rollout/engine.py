@@ -107,7 +107,6 @@ class Engine:
                             f"engine.kv_cache_mb >= {need_mb:.3g} (or a smaller engine.max_model_len)")
         self.runner = Runner(model, num_blocks, bs, self.max_model_len, cfg.pack_weights,
                              cfg.max_num_seqs if cfg.slot_kv else 0, dtype)
-        self._host_kernels = is_cpu(self.runner.device) and cpu_kernels.load() is not None
         if is_cpu(self.runner.device):  # host malloc tuning; CUDA tensors use PyTorch's caching allocator instead
             keep_freed_memory()  # per-step tensors reuse heap pages instead of faulting in fresh ones (see host_memory)
         self.blocks = BlockManager(num_blocks, bs)
@@ -346,7 +345,7 @@ class Engine:
 
     def _sample_and_record(self, seqs: list[Sequence], rows: torch.Tensor, logits: torch.Tensor) -> None:
         """Sample one token per row, store it with its behaviour log-prob, finish what stops."""
-        if self._host_kernels:  # CPU: the bookkeeping in two C++ calls instead of ~30 small tensor ops
+        if self.runner.step_kernels:  # CPU: the bookkeeping in two C++ calls instead of ~30 small tensor ops
             tok, lp, kept = self._draw(rows, logits, cpu_kernels.row_uniforms(self.seed, self.sidx, self.ngen, rows))
             hits = cpu_kernels.record_tokens(rows, tok, lp, kept, self.ngen, self.ntok, self.last, self.out_tok,
                                              self.out_lp, self.out_kept, self.stop_ids, self.max_new, self.has_stop_str)

@@ -316,6 +316,9 @@ class Runner:
         self.k_slot = self.v_slot = None
         # decode attention over the group KV: the fused kernel where it runs, else masked SDPA (`_slot_attend`)
         self.group_kernel = r.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim)
+        # the step's bookkeeping in C++ (slot layout, KV save; the engine's draw records): each small tensor op it
+        # replaces costs tens of microseconds in a decode step. False: their tensor-op twins, as on other devices.
+        self.step_kernels = cpu_kernels.step_kernels_run(self.device)
         # decode over the group KV with every layer in one C++ call where the model allows (`_loop_args`)
         self.layer_loop, self._loop = True, None
         self.refresh_weights()  # the packed copies (and `_loop`)
@@ -419,7 +422,7 @@ class Runner:
         if start < P:  # the prompt's KV is in the blocks already (prefill writes them); a slice would wrap around
             raise ValueError(f"save_decoded: start {start} is inside the group's prompt (P = {P})")
         first = P + (start - P) * self.width + m
-        if cpu_kernels.save_slot_kv_runs(self.k_cache):  # one C++ call (the copies below: ~2x as long on the CPU)
+        if self.step_kernels:  # one C++ call (the copies below: ~2x as long on the CPU)
             dst = [table[p // bs] * bs + p % bs for p in range(start, end)]
             cpu_kernels.save_slot_kv(self.k_slot, self.v_slot, self.k_cache, self.v_cache, gs, first, self.width, dst)
             return
@@ -444,8 +447,8 @@ class Runner:
 
     def _loop_args(self):
         """The `cpu_kernels.decode_plan` (layer weights, widths, glu, eps, windows) for `decode_layers`, or None where a
-        layer needs something it does not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE on whole heads, one RoPE
-        table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
+        layer needs something it does not do: Llama-style pre-norm layers (RMSNorm, no post-norms, no q/k norm, RoPE
+        on whole heads, one RoPE table), the group-KV attention kernel, every linear on posttrain's packed GEMM, SiLU-gated MLPs, and each
         norm and SwiGLU on the kernel `__call__` / `_gated` would run (so the loop computes what they compute)."""
         r, dt = self.recipe, self.dtype
         if not (self.slot_seqs and self.group_kernel and self.fast_qk and len(self._tables) == 1 and r.act is F.silu
@@ -684,7 +687,7 @@ class Runner:
         """(off (B,), members (group slots in use, W)) for the group-attention kernel, the region grown to hold them:
         `_slot_offsets` and `_members` in one C++ call where the kernels run (each small tensor op costs tens of
         microseconds in a decode step)."""
-        if self.device.type == "cpu" and cpu_kernels.load() is not None:
+        if self.step_kernels:
             off, members, top = cpu_kernels.slot_layout(rows, positions, self.prompt_len, self.width)
             self._ensure_slot_kv(top)
             return off, members

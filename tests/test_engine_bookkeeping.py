@@ -70,14 +70,21 @@ def test_slot_layout_equals_the_tensor_ops(width):
     rows = torch.randperm(slots, generator=g)[:40]  # running slots in any order, some group slots idle
     prompt_len = torch.randint(3, 30, (slots // width,), generator=g)
     positions = prompt_len[rows // width] + torch.randint(0, 20, (40,), generator=g)
+    tables = torch.randint(0, 1000, (slots, 8), generator=g)  # block ids; positions reach block 48 // 7 = 6 of 8
     reach = []
-    twin = types.SimpleNamespace(width=width, prompt_len=prompt_len, device=torch.device("cpu"), _ensure_slot_kv=reach.append)
+    twin = types.SimpleNamespace(width=width, prompt_len=prompt_len, device=torch.device("cpu"), _ensure_slot_kv=reach.append,
+                                 block_size=7)
     off, ngs = Runner._slot_offsets(twin, positions, rows)
     members = Runner._members(twin, rows, ngs)
-    got_off, got_members, top = K.slot_layout(rows, positions, prompt_len, width)
+    dst = Runner._paged_rows(twin, positions, rows, tables)
+    got_off, got_members, top, got_dst = K.slot_layout(rows, positions, prompt_len, width, tables, 7)
     assert torch.equal(got_off, off) and torch.equal(got_members, members) and [top] == reach
+    assert torch.equal(got_dst, dst)
+    assert K.slot_layout(rows, positions, prompt_len, width)[3] is None  # no tables: no paged rows
     with pytest.raises(RuntimeError, match="outside the slots"):
         K.slot_layout(torch.tensor([slots]), positions[:1], prompt_len, width)
+    with pytest.raises(RuntimeError, match="outside the block tables"):
+        K.slot_layout(rows, positions, prompt_len, width, tables[:, :2].contiguous(), 7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

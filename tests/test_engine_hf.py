@@ -130,36 +130,38 @@ def test_group_prefill_once_and_multi_turn_prefix_cache(model):
     assert o2.samples[0].token_ids == ref  # the cached prefix gives the same result
 
 
-@pytest.mark.parametrize("kernel", [True, False], ids=["save_slot_kv", "torch-copies"])
-def test_save_decoded_copies_each_position_to_its_block(model, kernel):
-    """A finished sample's decoded KV (position p of sample m at P + (p - P) * width + m in its group region) lands at
-    table[p // block] * block + p % block, runs crossing block boundaries included; nothing else is written. Both the
-    C++ copy (where the kernels run) and the strided torch copies."""
-    if kernel and cpu_kernels.load() is None:
+PATHS = {"layer-loop": {}, "group-kernel": {"layer_loop": False}, "masked-sdpa": {"layer_loop": False, "group_kernel": False},
+         "tensor-layout": {"step_kernels": False}}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_decode_writes_each_new_kv_to_its_paged_row(model, path):
+    """Each decode step's new k/v (position p of sample m, at P + (p - P) * width + m in its group region) also lands
+    at table[p // block] * block + p % block of the paged cache, so a finished sample's KV is in the prefix cache
+    without a copy; block boundaries included, on every decode path over the group KV."""
+    if path != "masked-sdpa" and cpu_kernels.load() is None:
         pytest.skip("CPU kernels not built here")
     eng = engine(model)
-    eng.runner.step_kernels = kernel
-    eng.generate([Request(list(range(200, 237)), SamplingParams(n=4, max_new_tokens=30, ignore_eos=True, seed=0))])
     r = eng.runner
-    g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():  # the engine's tensors are inference tensors
-        _check_save_decoded(r, g)
+    for name, value in PATHS[path].items():
+        setattr(r, name, value)
+    tables, finish = {}, eng.scheduler.finish
 
+    def record(s):  # the blocks and group slot of each sample as it finishes (its blocks are freed after)
+        tables[s.sample_index] = (list(s.block_table), s.slot, s.prompt_len, s.computed_at(eng.scheduler.step))
+        finish(s)
 
-def _check_save_decoded(r, g):
-    r.k_slot.copy_(torch.randn(r.k_slot.shape, generator=g))
-    r.v_slot.copy_(torch.randn(r.v_slot.shape, generator=g))
-    gs, m, P, start, end, bs = 0, 2, int(r.prompt_len[0]), 37 + 5, 37 + 30, r.block_size
-    table = torch.randperm(r.k_cache.shape[1] // bs, generator=g)[:(end + bs - 1) // bs].tolist()
-    k_before, v_before = r.k_cache.clone(), r.v_cache.clone()
-    r.save_decoded(gs * r.width + m, table, start, end)
-    p = torch.arange(start, end)
-    off, dst = P + (p - P) * r.width + m, torch.tensor(table)[p // bs] * bs + p % bs
-    for cache, before, region in ((r.k_cache, k_before, r.k_slot), (r.v_cache, v_before, r.v_slot)):
-        assert torch.equal(cache[:, dst], region[:, gs].index_select(2, off).transpose(1, 2))
-        rest = torch.ones(cache.shape[1], dtype=torch.bool)
-        rest[dst] = False
-        assert torch.equal(cache[:, rest], before[:, rest])
+    eng.scheduler.finish = record
+    eng.generate([Request(list(range(200, 237)), SamplingParams(n=4, max_new_tokens=30, ignore_eos=True, seed=0))])
+    assert sorted(tables) == [0, 1, 2, 3]
+    bs = r.block_size
+    for table, slot, P, end in tables.values():
+        gs, m = divmod(slot, r.width)
+        assert end == P + 29  # the last token's KV is never computed
+        p = torch.arange(P, end)
+        off, dst = P + (p - P) * r.width + m, torch.tensor(table)[p // bs] * bs + p % bs
+        for cache, region in ((r.k_cache, r.k_slot), (r.v_cache, r.v_slot)):
+            assert torch.equal(cache[:, dst], region[:, gs].index_select(2, off).transpose(1, 2))
 
 
 def test_bad_requests_fail_alone(model):

@@ -191,7 +191,7 @@ def group_attention_runs(device: torch.device, dtype: torch.dtype, head_dim: int
 
 def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     member: torch.Tensor, off: torch.Tensor, prompt: torch.Tensor, scale: float, window: int | None,
-                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None):
+                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, pages=None):
     """Decode attention over one layer's group KV visiting only the keys each query sees
     (csrc/attention_kernel.cpp; `group_attention_runs` says where it runs, elsewhere the runner's masked SDPA).
 
@@ -199,9 +199,12 @@ def group_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     (groups, KV, cap, D) contiguous, the new k/v written at `off` (B,); member (n, W) int64: the batch row of
     each of the first n groups' W samples, or -1; prompt (n,) int64: each group's prompt length; window: the
     sliding window or None; cos/sin (B, D) contiguous, q's dtype: `rope`'s rows, q and k rotated as they are read
-    (bit for bit `rope` then this), or None where q and k come rotated. -> (B, H*D) in q's dtype."""
+    (bit for bit `rope` then this), or None where q and k come rotated; pages: None or (k_pages, v_pages (rows, KV,
+    D) contiguous, dst (B,) int64): the layer's paged KV, where row n's new k/v (rotated) also go, at row dst[n].
+    -> (B, H*D) in q's dtype."""
     q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (q, k, v))
-    return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0, cos, sin)
+    return load().group_attention(q, k, v, k_cache, v_cache, member, off, prompt, scale, window or 0, cos, sin,
+                                  *(pages or (None, None, None)))
 
 
 def gemm_runs(w: torch.Tensor) -> bool:
@@ -216,26 +219,20 @@ def counter_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, step: torch
     return _module.counter_uniforms(seed, sample_index, step)
 
 
-def slot_layout(rows: torch.Tensor, positions: torch.Tensor, prompt_len: torch.Tensor, width: int):
-    """(off (N,), members (groups, width), top) in one C++ call (csrc/step_kernel.cpp; the runner's tensor-op twin is
-    `Runner._slot_offsets` + `_members`): where running slot rows[i] at positions[i] puts its new KV in its group
-    region, the batch row of each group slot's sample (-1: idle), and how far the region must reach. Contiguous int64
-    CPU tensors."""
-    off, members, top = _module.slot_layout(rows, positions, prompt_len, width)
-    return off, members, int(top)
+def slot_layout(rows: torch.Tensor, positions: torch.Tensor, prompt_len: torch.Tensor, width: int,
+                tables: torch.Tensor | None = None, block_size: int = 1):
+    """(off (N,), members (groups, width), top, dst (N,) or None) in one C++ call (csrc/step_kernel.cpp; the runner's
+    tensor-op twin is `Runner._slot_offsets` + `_members` + `_paged_rows`): where running slot rows[i] at positions[i]
+    puts its new KV in its group region, the batch row of each group slot's sample (-1: idle), how far the region
+    must reach, and given the block tables (slots, max blocks), the paged row of that KV. Contiguous int64 CPU tensors."""
+    off, members, top, dst = _module.slot_layout(rows, positions, prompt_len, width, tables, block_size)
+    return off, members, int(top), (dst if tables is not None else None)
 
 
 def step_kernels_run(device: torch.device) -> bool:
-    """Whether the engine's per-step C++ (`record_tokens`, `row_uniforms`, `slot_layout`, `save_slot_kv`) runs for
+    """Whether the engine's per-step C++ (`record_tokens`, `row_uniforms`, `slot_layout`) runs for
     its state on `device`: the CPU, the kernels built."""
     return torch.device(device).type == "cpu" and load() is not None
-
-
-def save_slot_kv(k_slot, v_slot, k_cache, v_cache, gs: int, first: int, width: int, dst: list[int]) -> None:
-    """Copy n decoded tokens' KV of one sequence, token t at position first + t * width of group slot gs in k_slot /
-    v_slot (layers, groups, KV, cap, D), to rows dst[t] of k_cache / v_cache (layers, rows, KV, D), in one C++ call
-    (the runner's strided-copy twin: `Runner.save_decoded`)."""
-    _module.save_slot_kv(k_slot, v_slot, k_cache, v_cache, gs, first, width, torch.tensor(dst, dtype=torch.long))
 
 
 def row_uniforms(seed: torch.Tensor, sample_index: torch.Tensor, ngen: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -310,14 +307,16 @@ def decode_plan(layers, widths, glu, eps, windows: list[int]):
 
 
 def decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale: float, heads: int, kv_heads: int,
-                  head_dim: int) -> torch.Tensor:
+                  head_dim: int, pages=None) -> torch.Tensor:
     """A decode step's Llama-style decoder layers in one call (csrc/decode_kernel.cpp): per layer the kernels
     `runner.Runner._forward` calls on its fast path (RMSNorm, q|k|v `gemm_packed`, `rope`, `group_attention`, o with
     the residual, RMSNorm, gate|up with the SwiGLU epilogue or `swiglu_fwd` / `silu_mul`, down with the residual), in
     that order: the Python loop's result bit for bit. plan: `decode_plan`'s; cos/sin (N, D) the step's RoPE rows;
-    k_slot/v_slot (layers, groups, KV, cap, D) and member/off/prompt/scale as `group_attention` takes them. -> x after
-    the last layer, before the final norm."""
-    return _module.decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale, heads, kv_heads, head_dim)
+    k_slot/v_slot (layers, groups, KV, cap, D) and member/off/prompt/scale as `group_attention` takes them; pages:
+    None or (k_pages, v_pages (layers, rows, KV, D), dst (N,)), each layer's as `group_attention` takes them. -> x
+    after the last layer, before the final norm."""
+    return _module.decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale, heads, kv_heads, head_dim,
+                                 *(pages or (None, None, None)))
 
 
 def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -453,7 +453,6 @@ class Engine:
 
     def _finish(self, s: Sequence, reason: str, stop) -> None:
         self._sync(s)
-        self.runner.save_decoded(s.slot, s.block_table, s.join_computed, s.computed_at(self.scheduler.step))  # for the prefix cache
         self.scheduler.finish(s)
         self._rows = None
         st: _RequestState = s.request

@@ -409,33 +409,6 @@ class Runner:
             self.v_slot[:, gs, :, :n] = self.v_cache[:, idx].transpose(1, 2)
             self.prompt_len[gs] = n
 
-    @torch.inference_mode()
-    def save_decoded(self, slot: int, table: list[int], start: int, end: int) -> None:
-        """Copy the KV of positions [start, end) (>= the prompt's P) of the sequence in `slot` from its group region
-        to its paged blocks. Decode writes only the group KV; the prefix cache needs the blocks of a finished
-        sequence. Position p sits at P + (p - P) * width + m in the region: one strided view, copied a block's run
-        at a time (an index_select + index_copy_ of the same took 2x as long: ~1 ms a sequence of SmolLM2)."""
-        if not self.slot_seqs or end <= start:
-            return
-        gs, m = divmod(slot, self.width)
-        P, bs = int(self.prompt_len[gs]), self.block_size
-        if start < P:  # the prompt's KV is in the blocks already (prefill writes them); a slice would wrap around
-            raise ValueError(f"save_decoded: start {start} is inside the group's prompt (P = {P})")
-        first = P + (start - P) * self.width + m
-        if self.step_kernels:  # one C++ call (the copies below: ~2x as long on the CPU)
-            dst = [table[p // bs] * bs + p % bs for p in range(start, end)]
-            cpu_kernels.save_slot_kv(self.k_slot, self.v_slot, self.k_cache, self.v_cache, gs, first, self.width, dst)
-            return
-        src = [region[:, gs, :, first:first + (end - start - 1) * self.width + 1:self.width]  # (layers, kv, n, D)
-               for region in (self.k_slot, self.v_slot)]
-        p = start
-        while p < end:
-            b, o = divmod(p, bs)
-            n, d = min(bs - o, end - p), table[b] * bs + o
-            for cache, s in zip((self.k_cache, self.v_cache), src):
-                cache[:, d:d + n].copy_(s[:, :, p - start:p - start + n].transpose(1, 2))
-            p += n
-
     def refresh_weights(self) -> None:
         """Rebuild the packed weight copies (LoRA layers merged) and cast norm weights from the model's current weights."""
         norms = (*self.attn_in, *self.attn_out, *self.mlp_in, *self.mlp_out, self.norm, *(self.q_norm or ()),
@@ -615,12 +588,12 @@ class Runner:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One new token per sequence. tokens/positions/rows (engine slots) (B,), block_tables (slots, max
-        blocks) block ids of every engine slot -> logits (B, V). With the group KV the new KV goes there
-        only (`save_decoded` copies it to the blocks when needed) and the block tables are not read."""
+        blocks) block ids of every engine slot -> logits (B, V). With the group KV, decode attends there and the
+        new KV also goes to its paged row (the prefix cache holds a finished sequence's KV without a copy)."""
         if self.layer_loop and self._loop is not None:  # (only where decode runs over the group KV)
-            return self.logits(self.norm(self._decode_layers(tokens, positions, rows)))
+            return self.logits(self.norm(self._decode_layers(tokens, positions, rows, block_tables)))
         if self.slot_seqs:
-            return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows)))
+            return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows, block_tables)))
         bs, B = self.block_size, tokens.shape[0]
         tables = block_tables[rows, :int(positions.max()) // bs + 1]  # (B, nb)
         slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
@@ -659,18 +632,20 @@ class Runner:
             masks[w] = m.view(ngs, W, 1, L).expand(ngs, W, G, L).reshape(ngs, 1, W * G, L)
         return masks
 
-    def _slot_attend(self, positions, rows):
+    def _slot_attend(self, positions, rows, tables):
         """Decode attention over the group KV. Group slot g holds its prompt's P keys once, then its `width`
         samples' tokens interleaved (sample m's j-th token at P + j*W + m); sample m sees the prompt and its
         own tokens. The new k/v go to `off` first. Where the fused kernel runs (CPU, bf16/fp32, no soft-cap),
         it visits only the keys each query sees (`cpu_kernels.group_attention`); elsewhere one masked SDPA
-        call covers every group (`_masked_slot_attend`)."""
+        call covers every group (`_masked_slot_attend`). Either way the new k/v also go to their paged rows."""
         if self.group_kernel:
-            off, member = self._slot_layout(positions, rows)
+            off, member, dst = self._slot_layout(positions, rows, tables)
             prompt, scale = self.prompt_len[:member.shape[0]], self.recipe.scale
             return lambda i, q, k, v: cpu_kernels.group_attention(
-                q, k, v, self.k_slot[i], self.v_slot[i], member, off, prompt, scale, self.windows[i])
-        return self._masked_slot_attend(positions, rows, *self._slot_offsets(positions, rows))
+                q, k, v, self.k_slot[i], self.v_slot[i], member, off, prompt, scale, self.windows[i],
+                pages=(self.k_cache[i], self.v_cache[i], dst))
+        return self._masked_slot_attend(positions, rows, *self._slot_offsets(positions, rows),
+                                        self._paged_rows(positions, rows, tables))
 
     def _slot_offsets(self, positions, rows) -> tuple[torch.Tensor, int]:
         """(off (B,): where each row's new token goes in its group region, the group slots in use); the region
@@ -683,32 +658,39 @@ class Runner:
         self._ensure_slot_kv(int(off.max()) + 1)
         return off, ngs
 
-    def _slot_layout(self, positions, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """(off (B,), members (group slots in use, W)) for the group-attention kernel, the region grown to hold them:
-        `_slot_offsets` and `_members` in one C++ call where the kernels run (each small tensor op costs tens of
-        microseconds in a decode step)."""
+    def _paged_rows(self, positions, rows, tables) -> torch.Tensor:
+        """(B,) the paged KV row of each row's new token: its block (tables (slots, max blocks)) * block + offset."""
+        bs = self.block_size
+        return tables[rows, positions // bs] * bs + positions % bs
+
+    def _slot_layout(self, positions, rows, tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(off (B,), members (group slots in use, W), dst (B,)) for the group-attention kernel, the region grown to
+        hold them: `_slot_offsets`, `_members` and `_paged_rows` in one C++ call where the kernels run (each small
+        tensor op costs tens of microseconds in a decode step)."""
         if self.step_kernels:
-            off, members, top = cpu_kernels.slot_layout(rows, positions, self.prompt_len, self.width)
+            off, members, top, dst = cpu_kernels.slot_layout(rows, positions, self.prompt_len, self.width, tables,
+                                                             self.block_size)
             self._ensure_slot_kv(top)
-            return off, members
+            return off, members, dst
         off, ngs = self._slot_offsets(positions, rows)
-        return off, self._members(rows, ngs)
+        return off, self._members(rows, ngs), self._paged_rows(positions, rows, tables)
 
     def _members(self, rows, ngs: int) -> torch.Tensor:
         """(ngs, W) int64: the batch row of each group slot's sample, -1 where the slot is idle."""
         return torch.full((ngs * self.width,), -1, dtype=torch.long, device=self.device).index_copy_(
             0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, self.width)
 
-    def _decode_layers(self, tokens, positions, rows) -> torch.Tensor:
+    def _decode_layers(self, tokens, positions, rows, tables) -> torch.Tensor:
         """`_forward`'s layers over the group KV in one C++ call (`cpu_kernels.decode_layers`, see `_loop_args`): the
         same kernels on the same tensors in the same order, without the interpreter between them."""
-        off, members = self._slot_layout(positions, rows)
+        off, members, dst = self._slot_layout(positions, rows, tables)
         cos, sin = self._tables[0]
         return cpu_kernels.decode_layers(
             self.embedding(tokens), self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot, members, off,
-            self.prompt_len[:members.shape[0]], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim)
+            self.prompt_len[:members.shape[0]], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim,
+            pages=(self.k_cache, self.v_cache, dst))
 
-    def _masked_slot_attend(self, positions, rows, off, ngs: int):
+    def _masked_slot_attend(self, positions, rows, off, ngs: int, dst):
         """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its
         `width` sequences x the G query heads of each KV head, (W*G, D); keys the region's first P + W*(t+1)
         entries, with an additive mask (`_slot_masks`). A group of 8 samples thus reads its prompt once instead
@@ -725,6 +707,7 @@ class Runner:
         def attend(i, q, k, v):
             self.k_slot[i, gs, :, off] = k
             self.v_slot[i, gs, :, off] = v
+            self.k_cache[i, dst], self.v_cache[i, dst] = k, v  # the paged rows (the prefix cache's copy)
             q = q.reshape(-1, kv, G, D)
             qs = q if ident else q.new_zeros(S, kv, G, D).index_copy_(0, rows, q)
             qs = qs.view(ngs, W, kv, G, D).transpose(1, 2).reshape(ngs, kv, W * G, D)

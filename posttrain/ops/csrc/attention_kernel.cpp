@@ -372,7 +372,31 @@ struct Job {
   int64_t KV, cap, D, G, W, window;
   float scale;
   const T *cos, *sin;  // (B, D) each: this step's RoPE rows, applied to q and the new k as they are read; or null
+  T *kp, *vp;            // (rows, KV, D) contiguous: the paged KV the new k/v also go to, at row dst[n]; or null
+  const int64_t* dst;    // (B,)
 };
+
+// A new key or value row (D values, just written to the region: in L1) to its paged row, which nothing reads this
+// step: streamed past the caches where whole lines (no read for ownership of lines that are cold), else copied.
+template <typename T>
+void to_page(T* out, const T* row, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
+#if defined(__AVX512F__)
+  if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    for (int64_t c = 0; c < bytes; c += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(out) + c),
+                          _mm512_loadu_si512(reinterpret_cast<const char*>(row) + c));
+    return;
+  }
+#endif
+  if (bytes % 32 == 0 && reinterpret_cast<uintptr_t>(out) % 32 == 0) {
+    for (int64_t c = 0; c < bytes; c += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(reinterpret_cast<char*>(out) + c),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const char*>(row) + c)));
+    return;
+  }
+  std::memcpy(out, row, bytes);
+}
 
 struct Span {  // a piece of the scratch buffer
   float* p;
@@ -440,6 +464,10 @@ void task(const Job<T>& a, int64_t g, int64_t h, Prefetch& pf) {
     else
       std::memcpy(kc + o * D, a.kn + n * a.k0 + h * a.k1, D * sizeof(T));
     std::memcpy(vc + o * D, a.vn + n * a.v0 + h * a.v1, D * sizeof(T));
+    if (a.kp) {  // the paged copy the prefix cache keeps: a finished sequence's KV is there without a copy
+      to_page(a.kp + (a.dst[n] * a.KV + h) * D, kc + o * D, D);
+      to_page(a.vp + (a.dst[n] * a.KV + h) * D, vc + o * D, D);
+    }
     const int64_t lo = a.window > 0 ? P + j - a.window + 1 : 0;  // first visible position
     Row r{m, n, j + 1, std::min(P, std::max<int64_t>(0, lo)), std::max<int64_t>(0, lo - P)};
     pmin = std::min(pmin, r.p0);
@@ -562,6 +590,7 @@ void run(const Job<T>& a, int64_t groups) {
         task<128 / VL, T>(a, t / a.KV, t % a.KV, next);
       else
         task<0, T>(a, t / a.KV, t % a.KV, next);
+      if (a.kp) _mm_sfence();  // the paged rows' streamed stores drained before the region's end
     };
   });
 }
@@ -575,10 +604,14 @@ T* data(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 // k_cache/v_cache (>= groups, KV, cap, D) one layer's group KV, written at `off`; member (groups, W) int64:
 // the batch row of each group slot's sample or -1 (idle); off (B,) int64: where each row's new token goes
 // (P + j*W + m); prompt (groups,) int64: P per group; window 0 = none; cos/sin (B, D) in q's dtype: RoPE's rows for
-// q and k (as `rope` rotates them, bit for bit), or None where q and k come rotated. Returns (B, H*D) in q's dtype.
+// q and k (as `rope` rotates them, bit for bit), or None where q and k come rotated; k_pages/v_pages (rows, KV, D) and
+// dst (B,) int64, or None: one layer's paged KV, where row n's new k/v (rotated) also go, at row dst[n] (the engine's
+// prefix cache then holds a finished sequence's KV without a copy). Returns (B, H*D) in q's dtype.
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
-                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin) {
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin,
+                              c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
+                              c10::optional<torch::Tensor> dst) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "group_attention: bf16 or float32");
   for (const auto& t : {q, k, v, k_cache, v_cache})
@@ -598,6 +631,18 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     TORCH_CHECK(!t.has_value() || (t->device().is_cpu() && t->scalar_type() == dt && t->is_contiguous() && t->dim() == 2 &&
                                    t->size(0) == B && t->size(1) == D),
                 "group_attention: cos/sin (B, D) contiguous CPU tensors of q's dtype");
+  TORCH_CHECK(k_pages.has_value() == v_pages.has_value() && k_pages.has_value() == dst.has_value(),
+              "group_attention: k_pages, v_pages and dst together");
+  if (k_pages) {
+    TORCH_CHECK(k_pages->device().is_cpu() && k_pages->scalar_type() == dt && k_pages->is_contiguous() && v_pages->is_contiguous() &&
+                    k_pages->dim() == 3 && k_pages->sizes() == v_pages->sizes() && k_pages->size(1) == KV && k_pages->size(2) == D,
+                "group_attention: k_pages/v_pages (rows, KV, D) contiguous, q's dtype");
+    TORCH_CHECK(dst->device().is_cpu() && dst->scalar_type() == at::kLong && dst->is_contiguous() && dst->numel() == B,
+                "group_attention: dst (B,) int64");
+    const int64_t* d = dst->data_ptr<int64_t>();
+    for (int64_t n = 0; n < B; ++n)
+      TORCH_CHECK(d[n] >= 0 && d[n] < k_pages->size(0), "group_attention: dst ", d[n], " outside the ", k_pages->size(0), " paged rows");
+  }
   auto out = torch::empty({B, H * D}, q.options());
   const int64_t groups = member.size(0);
   auto fill = [&](auto* tag) {
@@ -605,7 +650,8 @@ torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
     Job<T> a{data<T>(q), data<T>(k), data<T>(v), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
              data<T>(k_cache), data<T>(v_cache), data<T>(out), member.data_ptr<int64_t>(), off.data_ptr<int64_t>(),
              prompt.data_ptr<int64_t>(), KV, k_cache.size(2), D, H / KV, member.size(1), window, static_cast<float>(scale),
-             cos ? data<T>(*cos) : nullptr, sin ? data<T>(*sin) : nullptr};
+             cos ? data<T>(*cos) : nullptr, sin ? data<T>(*sin) : nullptr, k_pages ? data<T>(*k_pages) : nullptr,
+             v_pages ? data<T>(*v_pages) : nullptr, dst ? dst->data_ptr<int64_t>() : nullptr};
     run<T>(a, groups);
   };
   if (dt == at::kBFloat16)
@@ -659,7 +705,8 @@ bool group_attention_available() { return false; }
 torch::Tensor prompt_scores(torch::Tensor, torch::Tensor, double, bool) { return torch::empty({0}); }
 bool attention_fma_scores() { return false; }
 torch::Tensor group_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                              torch::Tensor, double, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
+                              torch::Tensor, double, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                              c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "group_attention needs GCC >= 12 or Clang");
 }
 #endif

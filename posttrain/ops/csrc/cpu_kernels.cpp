@@ -143,13 +143,14 @@ torch::Tensor record_tokens(torch::Tensor rows, torch::Tensor tok, torch::Tensor
                             torch::Tensor ngen, torch::Tensor ntok, torch::Tensor last, torch::Tensor out_tok,
                             torch::Tensor out_lp, torch::Tensor out_kept, torch::Tensor stop_ids,
                             torch::Tensor max_new, torch::Tensor has_stop_str);
-std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positions, torch::Tensor prompt_len, int64_t width);
-void save_slot_kv(torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor k_cache, torch::Tensor v_cache, int64_t gs,
-                  int64_t first, int64_t width, torch::Tensor dst);
+std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positions, torch::Tensor prompt_len, int64_t width,
+                                       c10::optional<torch::Tensor> tables, int64_t block_size);
 // decode attention over the group KV (attention_kernel.cpp)
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
-                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin);
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin,
+                              c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
+                              c10::optional<torch::Tensor> dst);
 bool group_attention_available();
 torch::Tensor prompt_scores(torch::Tensor q, torch::Tensor keys, double scale, bool fma);
 bool attention_fma_scores();
@@ -183,8 +184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax_rows_", &softmax_rows_, "the head's kept softmax in place: (logp, lse, entropy)");
   m.def("exp_rows_", &exp_rows_, "z <- exp(z - shift[:, None]) in place");
   m.def("counter_uniforms", &counter_uniforms, "sampling.counter_uniforms (seed, sample index, step) int64 -> float64, one pass");
-  m.def("save_slot_kv", &save_slot_kv, "runner.save_decoded's copy of a sequence's decoded KV to its paged rows");
-  m.def("slot_layout", &slot_layout, "runner._slot_offsets + _members in one call: (off, members (groups, width), top)");
+  m.def("slot_layout", &slot_layout, "runner._slot_offsets + _members (+ the paged rows) in one call: (off, members "
+        "(groups, width), top, dst)");
   m.def("row_uniforms", &row_uniforms, "counter_uniforms(seed[rows], sample_index[rows], ngen[rows])");
   m.def("record_tokens", &record_tokens, "the engine's bookkeeping of one draw per row; -> the rows to look at");
   m.def("exp_lanes_", &exp_lanes_, "z <- exp(z) in place, 8 or 16 lanes at a time: torch's SLEEF (sleef) or the inline copy");

@@ -27,7 +27,9 @@ std::vector<torch::Tensor> rmsnorm_fwd(torch::Tensor x, torch::Tensor w, double 
 torch::Tensor swiglu_fwd(torch::Tensor g, torch::Tensor u);
 torch::Tensor group_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale, int64_t window,
-                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin);
+                              c10::optional<torch::Tensor> cos, c10::optional<torch::Tensor> sin,
+                              c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
+                              c10::optional<torch::Tensor> dst);
 torch::Tensor gemm_packed(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
                           c10::optional<torch::Tensor> residual, bool glu, c10::optional<torch::Tensor> out);
 
@@ -62,13 +64,21 @@ DecodePlan::DecodePlan(std::vector<std::vector<torch::Tensor>> layers_, std::vec
 }
 
 // x (N, hidden) the residual stream after the embedding; cos/sin (N, D): this step's RoPE rows; k_slot/v_slot (layers,
-// groups, KV, cap, D): the group KV (member, off, prompt, scale as group_attention takes them). Returns x after the last
-// layer (before the final norm).
+// groups, KV, cap, D): the group KV (member, off, prompt, scale as group_attention takes them); k_pages/v_pages (layers,
+// rows, KV, D) and dst (N,): the paged KV each row's new k/v also go to (group_attention's), or None. Returns x after the
+// last layer (before the final norm).
 torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
-                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D) {
+                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D,
+                            c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
+                            c10::optional<torch::Tensor> dst) {
   const int64_t L = static_cast<int64_t>(plan.layers.size()), N = x.size(0), nqk = (H + KV) * D;
   TORCH_CHECK(k_slot.size(0) >= L, "decode_layers: the group KV holds ", k_slot.size(0), " layers, not ", L);
+  TORCH_CHECK(k_pages.has_value() == v_pages.has_value() && (!k_pages || (k_pages->size(0) >= L && v_pages->size(0) >= L)),
+              "decode_layers: paged KV (layers, rows, KV, D) for K and V, or neither");
+  auto page = [&](const c10::optional<torch::Tensor>& t, int64_t i) {
+    return t ? c10::optional<torch::Tensor>((*t)[i]) : c10::nullopt;
+  };
   for (int64_t i = 0; i < L; ++i) {
     const auto& w = plan.layers[i];
     const auto& widths = plan.widths[i];
@@ -77,7 +87,8 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tens
                                           c10::nullopt, false, c10::nullopt);
     const torch::Tensor q = qkv.slice(1, 0, H * D).view({N, H, D}), k = qkv.slice(1, H * D, nqk).view({N, KV, D});
     const torch::Tensor v = qkv.slice(1, nqk, nqk + KV * D).view({N, KV, D});
-    const torch::Tensor a = group_attention(q, k, v, k_slot[i], v_slot[i], member, off, prompt, scale, plan.windows[i], cos, sin);
+    const torch::Tensor a = group_attention(q, k, v, k_slot[i], v_slot[i], member, off, prompt, scale, plan.windows[i], cos, sin,
+                                              page(k_pages, i), page(v_pages, i), dst);
     x = gemm_packed(a, w[O], widths[1], opt(w[O_B]), x, false, c10::nullopt);
     torch::Tensor g = gemm_packed(norm(x, w[NORM_POST], plan.eps[2 * i + 1]), w[GATE_UP], widths[2], opt(w[GATE_UP_B]),
                                   c10::nullopt, plan.glu[i], c10::nullopt);

@@ -16,4 +16,6 @@ struct DecodePlan {
 
 torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor member, torch::Tensor off,
-                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D);
+                            torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D,
+                            c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
+                            c10::optional<torch::Tensor> dst);

@@ -3,13 +3,11 @@
 // cold behind the step's kernels (torch.zeros(1) right after the LM head: 60-70 us, AMD Zen 4; any op not run
 // for ~10 ms: ~100 us).
 //   record_tokens   rollout/engine.py `_sample_and_record`'s stores and stop checks (`Engine._record` is the twin)
-//   slot_layout     rollout/runner.py `_slot_offsets` + `_members` (where each row's new KV goes, who is where)
-//   save_slot_kv    rollout/runner.py `save_decoded`'s copy of a finished sequence's KV to its paged rows
+//   slot_layout     rollout/runner.py `_slot_offsets` + `_members` + `_paged_rows` (where each row's new KV goes, who is
+//                   where)
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <vector>
 
@@ -57,8 +55,11 @@ torch::Tensor record_tokens(torch::Tensor rows, torch::Tensor tok, torch::Tensor
 // slot_layout: for running slots rows (N,) at positions (N,), with group slot g = row / width holding prompt_len[g]
 // prompt tokens: off[i] = P + (positions[i] - P) * width + rows[i] % width (where row i's new KV goes in its group
 // region), members (groups, width) = the batch row of each group slot's sample or -1 (groups = max(rows) / width + 1),
-// and top = max(off) + 1 (one element: the region must reach it).
-std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positions, torch::Tensor prompt_len, int64_t width) {
+// top = max(off) + 1 (one element: the region must reach it), and, given the engine's block tables (slots, max blocks),
+// dst[i] = tables[rows[i], p / block_size] * block_size + p % block_size for p = positions[i] (the paged row of that
+// KV; empty without tables).
+std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positions, torch::Tensor prompt_len, int64_t width,
+                                       c10::optional<torch::Tensor> tables, int64_t block_size) {
   check_rows("slot_layout", {rows, positions, prompt_len}, at::kLong);
   const int64_t N = rows.numel();
   TORCH_CHECK(N > 0 && positions.numel() == N && width >= 1, "slot_layout: one position per row, width >= 1");
@@ -66,59 +67,23 @@ std::vector<torch::Tensor> slot_layout(torch::Tensor rows, torch::Tensor positio
   const int64_t groups = *std::max_element(r, r + N) / width + 1;
   TORCH_CHECK(*std::min_element(r, r + N) >= 0 && groups <= prompt_len.numel(), "slot_layout: rows outside the slots");
   auto off = torch::empty({N}, rows.options()), members = torch::full({groups, width}, -1, rows.options());
-  int64_t *o = off.data_ptr<int64_t>(), *m = members.data_ptr<int64_t>(), top = 0;
+  auto dst = torch::empty({tables ? N : 0}, rows.options());
+  int64_t *o = off.data_ptr<int64_t>(), *m = members.data_ptr<int64_t>(), *d = dst.data_ptr<int64_t>(), top = 0;
+  if (tables)
+    TORCH_CHECK(tables->device().is_cpu() && tables->scalar_type() == at::kLong && tables->dim() == 2 && tables->is_contiguous() &&
+                    block_size >= 1,
+                "slot_layout: tables (slots, max blocks) contiguous int64, block_size >= 1");
   for (int64_t i = 0; i < N; ++i) {
     const int64_t g = r[i] / width;
     o[i] = P[g] + (pos[i] - P[g]) * width + r[i] % width;
     m[r[i]] = i;
     top = std::max(top, o[i] + 1);
-  }
-  return {off, members, torch::tensor({top}, rows.options())};
-}
-
-// runner.save_decoded's copy in one call: the KV of n decoded tokens of one sequence, token t at position
-// first + t * width of group slot gs in k_slot / v_slot (layers, groups, KV, cap, D), to row dst[t] of k_cache / v_cache
-// (layers, rows, KV, D), every layer and head (any dtype: rows of D elements are copied as bytes). Threads split the
-// layers' K and V. The strided torch copies it replaces took ~0.4 ms a sequence of SmolLM2 (1.5 MB of KV for 64
-// tokens): ~25 ms when a batch of 64 finishes.
-void save_slot_kv(torch::Tensor k_slot, torch::Tensor v_slot, torch::Tensor k_cache, torch::Tensor v_cache, int64_t gs,
-                  int64_t first, int64_t width, torch::Tensor dst) {
-  for (const auto& t : {k_slot, v_slot, k_cache, v_cache})
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == k_slot.scalar_type(),
-                "save_slot_kv: contiguous CPU tensors of one dtype");
-  TORCH_CHECK(k_slot.dim() == 5 && v_slot.sizes() == k_slot.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                  k_cache.size(0) == k_slot.size(0) && k_cache.size(2) == k_slot.size(2) && k_cache.size(3) == k_slot.size(4),
-              "save_slot_kv: slot KV (layers, groups, KV, cap, D) and paged KV (layers, rows, KV, D) of one model");
-  TORCH_CHECK(dst.device().is_cpu() && dst.scalar_type() == at::kLong && dst.is_contiguous(), "save_slot_kv: int64 dst rows");
-  const int64_t layers = k_slot.size(0), G = k_slot.size(1), KV = k_slot.size(2), cap = k_slot.size(3), rows = k_cache.size(1);
-  const int64_t n = dst.numel();
-  const int64_t* d = dst.data_ptr<int64_t>();
-  TORCH_CHECK(gs >= 0 && gs < G && first >= 0 && width >= 1 && (n == 0 || first + (n - 1) * width < cap),
-              "save_slot_kv: positions outside the group region");
-  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(d[t] >= 0 && d[t] < rows, "save_slot_kv: dst row ", d[t], " outside ", rows);
-  const int64_t row = k_slot.size(4) * static_cast<int64_t>(k_slot.element_size());  // bytes of one head's D values
-  const auto* ks = static_cast<const char*>(k_slot.data_ptr());
-  const auto* vs = static_cast<const char*>(v_slot.data_ptr());
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  at::parallel_for(0, 2 * layers, 1, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) {
-      const int64_t l = j / 2;
-      const char* src = (j % 2 ? vs : ks) + (l * G + gs) * KV * cap * row;
-      char* out = (j % 2 ? vc : kc) + l * rows * KV * row;
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t ahead = std::min(t + 8, n - 1);  // rows are a stride apart in the region, far apart in the cache:
-        for (int64_t h = 0; h < KV; ++h) {              // fetch the lines 8 tokens ahead (the copy waits on memory)
-          const char* s_ahead = src + (h * cap + first + ahead * width) * row;
-          char* o_ahead = out + (d[ahead] * KV + h) * row;
-          for (int64_t c = 0; c < row; c += 64) {
-            __builtin_prefetch(s_ahead + c, 0, 0);
-            __builtin_prefetch(o_ahead + c, 1, 0);
-          }
-          std::memcpy(out + (d[t] * KV + h) * row, src + (h * cap + first + t * width) * row, row);
-        }
-      }
+    if (tables) {
+      const int64_t b = pos[i] / block_size;
+      TORCH_CHECK(r[i] < tables->size(0) && pos[i] >= 0 && b < tables->size(1), "slot_layout: row ", r[i], " position ",
+                  pos[i], " outside the block tables");
+      d[i] = tables->data_ptr<int64_t>()[r[i] * tables->size(1) + b] * block_size + pos[i] % block_size;
     }
-  });
+  }
+  return {off, members, torch::tensor({top}, rows.options()), dst};
 }
-

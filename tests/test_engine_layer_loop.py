@@ -29,8 +29,10 @@ def packed_gemm(monkeypatch):
     monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
 
 
-def engine(name: str, dtype: torch.dtype, fused: bool = True) -> Engine:
+def engine(name: str, dtype: torch.dtype, fused: bool = True, cast: bool = False) -> Engine:
     model = build_tiny(name).eval()
+    if cast:  # the weights themselves in the compute dtype
+        model = model.to(dtype)
     if fused:
         use_fused_layers(model)
     cfg = EngineConfig(max_num_seqs=12, max_model_len=96, kv_cache_mb=8, block_size=8,
@@ -54,6 +56,19 @@ def test_the_layer_loop_samples_what_the_python_loop_samples(packed_gemm, name, 
     assert eng.scheduler.width == 4  # decode ran over the group KV (where the loop runs)
     assert looped == samples(eng, False)
     assert len({tuple(t) for t, _ in looped}) > 3  # sampled, not one repeated sequence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_whole_step_in_one_call_samples_what_the_layer_loop_samples(packed_gemm, dtype):
+    """`decode_step` (embedding, RoPE rows, layers, final norm and LM head in one call) against the layer loop between
+    the runner's own embedding and LM head: the same tokens and log-probs. It takes the ends only where the embedding
+    is read in place (weights in the compute dtype)."""
+    eng = engine("tiny-random", dtype, cast=True)
+    assert eng.runner._ends
+    whole = samples(eng, True)
+    eng.runner._ends = False
+    assert whole == samples(eng, True) == samples(eng, False)
+    assert not engine("tiny-random", torch.bfloat16).runner._ends  # float32 embedding under a bf16 engine: cast per step
 
 
 def test_a_weight_change_reaches_the_loop_at_the_next_refresh(packed_gemm):

@@ -319,6 +319,16 @@ def decode_layers(x, plan, cos, sin, k_slot, v_slot, member, off, prompt, scale:
                                  *(pages or (None, None, None)))
 
 
+def decode_step(tokens, positions, plan, k_slot, v_slot, member, off, prompt, scale: float, heads: int, kv_heads: int,
+                head_dim: int, pages=None) -> torch.Tensor:
+    """A whole decode step's forward in one call (csrc/decode_kernel.cpp): tokens (N,), positions (N,) int64 ->
+    logits (N, V). The runner's embedding and RoPE-row gathers, `decode_layers`, the final norm and the LM head, on
+    the ends `plan.set_ends` gave (the same kernels: the same values). Other arguments as `decode_layers` takes them."""
+    return _module.decode_step(tokens, positions, plan, k_slot, v_slot, member, off, prompt, scale, heads, kv_heads,
+                               head_dim, *(pages or (None, None, None)))
+
+
+
 def gemm_once(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) · w (N, K)ᵀ (+ bias), float32, for a weight that changes between calls (training): `gemm_pack` into

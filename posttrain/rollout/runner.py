@@ -417,6 +417,21 @@ class Runner:
             if part is not None:  # a family without that norm
                 part.refresh()
         self._loop = self._loop_args()
+        self._ends = self._loop is not None and self._set_ends(self._loop)
+
+    def _set_ends(self, plan) -> bool:
+        """Give the plan the step's two ends for `cpu_kernels.decode_step` where they compute what `embedding`, the RoPE
+        rows, `norm` and `logits` would: the embedding read in place in the compute dtype (no cast, no scale, no LoRA
+        merged per call), the final norm on the loop's kernel, the LM head on the packed GEMM without a soft-cap.
+        -> whether it did."""
+        e, head, (cos, sin) = self.embedding, self.lm_head, self._tables[0]
+        w = e.w if e.w is not None else (None if e.lora else e.mod.weight)
+        if (w is None or w.dtype != self.dtype or e.scale is not None or self.norm is None
+                or not self.norm.loop_kernel(self.dtype) or head.kind != "gemm" or head.glu
+                or self.recipe.final_softcap is not None):
+            return False
+        plan.set_ends(w, cos, sin, self.norm.weight(), float(self.norm.eps), head.w, _or(head.b, torch.empty(0)), head.n)
+        return True
 
     def _loop_args(self):
         """The `cpu_kernels.decode_plan` (layer weights, widths, glu, eps, windows) for `decode_layers`, or None where a
@@ -591,6 +606,8 @@ class Runner:
         blocks) block ids of every engine slot -> logits (B, V). With the group KV, decode attends there and the
         new KV also goes to its paged row (the prefix cache holds a finished sequence's KV without a copy)."""
         if self.layer_loop and self._loop is not None:  # (only where decode runs over the group KV)
+            if self._ends:  # the embedding and the LM head in the same C++ call
+                return self._decode_layers(tokens, positions, rows, block_tables, cpu_kernels.decode_step)
             return self.logits(self.norm(self._decode_layers(tokens, positions, rows, block_tables)))
         if self.slot_seqs:
             return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows, block_tables)))
@@ -680,15 +697,18 @@ class Runner:
         return torch.full((ngs * self.width,), -1, dtype=torch.long, device=self.device).index_copy_(
             0, rows, torch.arange(rows.shape[0], device=self.device)).view(ngs, self.width)
 
-    def _decode_layers(self, tokens, positions, rows, tables) -> torch.Tensor:
+    def _decode_layers(self, tokens, positions, rows, tables, step=None) -> torch.Tensor:
         """`_forward`'s layers over the group KV in one C++ call (`cpu_kernels.decode_layers`, see `_loop_args`): the
-        same kernels on the same tensors in the same order, without the interpreter between them."""
+        same kernels on the same tensors in the same order, without the interpreter between them. With
+        step=`cpu_kernels.decode_step` (the plan has its ends): from the tokens to the logits in that call."""
         off, members, dst = self._slot_layout(positions, rows, tables)
+        rest = (self.k_slot, self.v_slot, members, off, self.prompt_len[:members.shape[0]], self.recipe.scale,
+                self.n_heads, self.n_kv, self.head_dim)
+        if step is not None:
+            return step(tokens, positions, self._loop, *rest, pages=(self.k_cache, self.v_cache, dst))
         cos, sin = self._tables[0]
-        return cpu_kernels.decode_layers(
-            self.embedding(tokens), self._loop, cos[positions], sin[positions], self.k_slot, self.v_slot, members, off,
-            self.prompt_len[:members.shape[0]], self.recipe.scale, self.n_heads, self.n_kv, self.head_dim,
-            pages=(self.k_cache, self.v_cache, dst))
+        return cpu_kernels.decode_layers(self.embedding(tokens), self._loop, cos[positions], sin[positions], *rest,
+                                         pages=(self.k_cache, self.v_cache, dst))
 
     def _masked_slot_attend(self, positions, rows, off, ngs: int, dst):
         """One SDPA call per layer, one task per (group slot, KV head): queries of a group slot are its

@@ -210,7 +210,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlan>(m, "DecodePlan", "decode_layers' per-layer weights, widths, glu flags, eps and windows",
                          py::module_local())  // local: two builds of the extension may be loaded in one process
       .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, std::vector<bool>,
-                    std::vector<double>, std::vector<int64_t>>());
+                    std::vector<double>, std::vector<int64_t>>())
+      .def("set_ends", &DecodePlan::set_ends, "decode_step's embedding, RoPE rows, final norm and LM head");
   m.def("decode_layers", &decode_layers, "a decode step's Llama-style decoder layers over the group KV (runner._forward's kernels)");
+  m.def("decode_step", &decode_step, "a whole decode step's forward: tokens, positions -> logits (decode_layers between the "
+        "embedding and the LM head)");
   m.def("sample_kernel_available", &sample_kernel_available, "whether sample_plain was built (x86-64 with AVX2)");
 }

@@ -101,3 +101,29 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tens
   }
   return x;
 }
+
+void DecodePlan::set_ends(torch::Tensor embed_, torch::Tensor cos_, torch::Tensor sin_, torch::Tensor final_norm_,
+                          double final_eps_, torch::Tensor head_, torch::Tensor head_b_, int64_t head_n_) {
+  TORCH_CHECK(embed_.dim() == 2 && cos_.dim() == 2 && sin_.sizes() == cos_.sizes() && final_norm_.dim() == 1 &&
+                  final_norm_.size(0) == embed_.size(1) && head_n_ >= 1,
+              "decode_plan.set_ends: embedding (vocab, hidden), cos/sin (positions, D), final norm (hidden,), head width");
+  embed = std::move(embed_), cos = std::move(cos_), sin = std::move(sin_), final_norm = std::move(final_norm_);
+  head = std::move(head_), head_b = std::move(head_b_), final_eps = final_eps_, head_n = head_n_;
+}
+
+// A whole decode step's forward in one call: tokens (N,) and positions (N,) int64 -> logits (N, head width). The
+// runner's `embedding(tokens)`, `cos[positions]` / `sin[positions]`, decode_layers, `norm` and `logits` in that order,
+// on the same kernels (the rows gathered as index_select gathers them): the same values. What it removes is the
+// interpreter and the small ops at the step's two ends, each of which runs cold there (behind the LM head, or behind
+// the layers' weights streaming through the caches).
+torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor positions, const DecodePlan& plan, torch::Tensor k_slot,
+                          torch::Tensor v_slot, torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale,
+                          int64_t H, int64_t KV, int64_t D, c10::optional<torch::Tensor> k_pages,
+                          c10::optional<torch::Tensor> v_pages, c10::optional<torch::Tensor> dst) {
+  TORCH_CHECK(plan.embed.defined(), "decode_step: the plan has no ends (set_ends)");
+  torch::Tensor x = decode_layers(plan.embed.index_select(0, tokens), plan, plan.cos.index_select(0, positions),
+                                  plan.sin.index_select(0, positions), k_slot, v_slot, member, off, prompt, scale, H, KV,
+                                  D, k_pages, v_pages, dst);
+  return gemm_packed(norm(x, plan.final_norm, plan.final_eps), plan.head, plan.head_n, opt(plan.head_b), c10::nullopt,
+                     false, c10::nullopt);
+}

@@ -12,6 +12,14 @@ struct DecodePlan {
   std::vector<bool> glu;
   std::vector<double> eps;
   std::vector<int64_t> windows;
+  // the step's two ends for decode_step, where the runner's embedding, RoPE table, final norm and LM head allow
+  // (`set_ends`; undefined tensors otherwise): embedding rows (vocab, hidden) and RoPE rows (positions, D) in the
+  // compute dtype, the final norm's weight and eps, the LM head's packed panels, bias (or empty) and width
+  torch::Tensor embed, cos, sin, final_norm, head, head_b;
+  double final_eps = 0.0;
+  int64_t head_n = 0;
+  void set_ends(torch::Tensor embed, torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm, double final_eps,
+                torch::Tensor head, torch::Tensor head_b, int64_t head_n);
 };
 
 torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tensor cos, torch::Tensor sin,
@@ -19,3 +27,7 @@ torch::Tensor decode_layers(torch::Tensor x, const DecodePlan& plan, torch::Tens
                             torch::Tensor prompt, double scale, int64_t H, int64_t KV, int64_t D,
                             c10::optional<torch::Tensor> k_pages, c10::optional<torch::Tensor> v_pages,
                             c10::optional<torch::Tensor> dst);
+torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor positions, const DecodePlan& plan, torch::Tensor k_slot,
+                          torch::Tensor v_slot, torch::Tensor member, torch::Tensor off, torch::Tensor prompt, double scale,
+                          int64_t H, int64_t KV, int64_t D, c10::optional<torch::Tensor> k_pages,
+                          c10::optional<torch::Tensor> v_pages, c10::optional<torch::Tensor> dst);

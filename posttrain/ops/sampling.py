@@ -114,7 +114,7 @@ def _inverse_cdf(p: torch.Tensor, uniforms: torch.Tensor, chunks: int = 256, wit
     return (tok, csum[:, -1]) if with_total else tok
 
 
-def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
                   uniforms: torch.Tensor, with_kept: bool = False, all_plain: bool = False):
     """Draw one token per row of `logits` (N, V) and return (tokens (N,), their behaviour log-probs (N,)),
     plus, with `with_kept`, the kept counts (N,) long: the size of the set each token was drawn from
@@ -127,7 +127,8 @@ def sample_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     inverse CDF needs, and the token's log-prob is z_tok - max - log(sum) (the sum from the inverse
     CDF's chunk sums); on CPU one fused kernel does it (`_plain_rows`). Other rows go through
     `process_logits` + `sample`. All per-row parameters are (N,) tensors. `all_plain=True`: the caller knows
-    every row is plain, so the per-row checks (a few small tensor ops, ~0.2 ms of a CPU decode step) are skipped.
+    every row is plain, so the per-row checks (a few small tensor ops, ~0.2 ms of a CPU decode step) are skipped
+    (top_k and top_p are not read then: None will do).
     """
     N, V = logits.shape
     if all_plain:

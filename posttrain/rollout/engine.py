@@ -130,6 +130,7 @@ class Engine:
         self.out_kept = torch.zeros(S, self.max_model_len, dtype=torch.int32, device=dev)  # kept-set sizes
         self._slot_seq: dict[int, Sequence] = {}
         self._rows = None  # cached LongTensor of running slots
+        self._rows_temp = (None, None)  # (rows, temp[rows]) of the last plain draw: the running set's, until it changes
         self._reporting = 0  # requests in flight that asked for their tokens' model log-probs (SamplingParams.logprobs)
         self._unplain = 0  # requests in flight that may draw from anything but the whole softmax (greedy, top-k, top-p)
 
@@ -363,8 +364,14 @@ class Engine:
 
     def _draw(self, rows: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor):
         """(tokens, behaviour log-probs, kept counts) of the rows' draws with their slots' sampling parameters."""
-        return sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows], uniforms, with_kept=True,
-                             all_plain=not self._unplain)
+        if self._unplain:
+            return sample_logits(logits, self.temp[rows], self.topk[rows], self.topp[rows], uniforms, with_kept=True)
+        # every request in flight draws from the whole softmax: only the temperatures matter, gathered once per
+        # running set (a small op costs tens of microseconds in a decode step)
+        if self._rows_temp[0] is not rows:
+            self._rows_temp = (rows, self.temp[rows])
+        t = self._rows_temp[1]
+        return sample_logits(logits, t, None, None, uniforms, with_kept=True, all_plain=True)
 
     def _record(self, rows: torch.Tensor, g: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, kept: torch.Tensor) -> list[int]:
         """`cpu_kernels.record_tokens` in tensor ops (any device): store row i's draw at its slot rows[i]'s completion

@@ -29,7 +29,7 @@ def packed_gemm(monkeypatch):
     monkeypatch.setattr(runner, "WIDEN_MIN_ROWS", 1)  # at any decode batch
 
 
-def engine(name: str, dtype: torch.dtype, fused: bool = True, cast: bool = False) -> Engine:
+def engine(name: str, dtype: torch.dtype, fused: bool = True, cast: bool = False) -> Engine:  # cast: weights in dtype
     model = build_tiny(name).eval()
     if cast:  # the weights themselves in the compute dtype
         model = model.to(dtype)
@@ -61,14 +61,13 @@ def test_the_layer_loop_samples_what_the_python_loop_samples(packed_gemm, name, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_whole_step_in_one_call_samples_what_the_layer_loop_samples(packed_gemm, dtype):
     """`decode_step` (embedding, RoPE rows, layers, final norm and LM head in one call) against the layer loop between
-    the runner's own embedding and LM head: the same tokens and log-probs. It takes the ends only where the embedding
-    is read in place (weights in the compute dtype)."""
-    eng = engine("tiny-random", dtype, cast=True)
-    assert eng.runner._ends
-    whole = samples(eng, True)
-    eng.runner._ends = False
-    assert whole == samples(eng, True) == samples(eng, False)
-    assert not engine("tiny-random", torch.bfloat16).runner._ends  # float32 embedding under a bf16 engine: cast per step
+    the runner's own embedding and LM head: the same tokens and log-probs, with the weights in the compute dtype and
+    (bf16) as float32 master weights whose embedding rows are cast per step."""
+    for eng in (engine("tiny-random", dtype, cast=True), engine("tiny-random", dtype)):
+        assert eng.runner._ends
+        whole = samples(eng, True)
+        eng.runner._ends = False
+        assert whole == samples(eng, True) == samples(eng, False)
 
 
 def test_a_weight_change_reaches_the_loop_at_the_next_refresh(packed_gemm):

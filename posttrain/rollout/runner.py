@@ -421,12 +421,13 @@ class Runner:
 
     def _set_ends(self, plan) -> bool:
         """Give the plan the step's two ends for `cpu_kernels.decode_step` where they compute what `embedding`, the RoPE
-        rows, `norm` and `logits` would: the embedding read in place in the compute dtype (no cast, no scale, no LoRA
-        merged per call), the final norm on the loop's kernel, the LM head on the packed GEMM without a soft-cap.
+        rows, `norm` and `logits` would: the embedding read in place (its rows cast to the compute dtype as `embedding`
+        casts them; no scale, no LoRA merged per call), the final norm on the loop's kernel, the LM head on the packed
+        GEMM without a soft-cap.
         -> whether it did."""
         e, head, (cos, sin) = self.embedding, self.lm_head, self._tables[0]
         w = e.w if e.w is not None else (None if e.lora else e.mod.weight)
-        if (w is None or w.dtype != self.dtype or e.scale is not None or self.norm is None
+        if (w is None or e.scale is not None or self.norm is None
                 or not self.norm.loop_kernel(self.dtype) or head.kind != "gemm" or head.glu
                 or self.recipe.final_softcap is not None):
             return False

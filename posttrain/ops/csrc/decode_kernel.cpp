@@ -121,7 +121,9 @@ torch::Tensor decode_step(torch::Tensor tokens, torch::Tensor positions, const D
                           int64_t H, int64_t KV, int64_t D, c10::optional<torch::Tensor> k_pages,
                           c10::optional<torch::Tensor> v_pages, c10::optional<torch::Tensor> dst) {
   TORCH_CHECK(plan.embed.defined(), "decode_step: the plan has no ends (set_ends)");
-  torch::Tensor x = decode_layers(plan.embed.index_select(0, tokens), plan, plan.cos.index_select(0, positions),
+  torch::Tensor x = plan.embed.index_select(0, tokens);
+  if (x.scalar_type() != plan.cos.scalar_type()) x = x.to(plan.cos.scalar_type());  // rows cast to the compute dtype
+  x = decode_layers(x, plan, plan.cos.index_select(0, positions),
                                   plan.sin.index_select(0, positions), k_slot, v_slot, member, off, prompt, scale, H, KV,
                                   D, k_pages, v_pages, dst);
   return gemm_packed(norm(x, plan.final_norm, plan.final_eps), plan.head, plan.head_n, opt(plan.head_b), c10::nullopt,

@@ -13,8 +13,9 @@ struct DecodePlan {
   std::vector<double> eps;
   std::vector<int64_t> windows;
   // the step's two ends for decode_step, where the runner's embedding, RoPE table, final norm and LM head allow
-  // (`set_ends`; undefined tensors otherwise): embedding rows (vocab, hidden) and RoPE rows (positions, D) in the
-  // compute dtype, the final norm's weight and eps, the LM head's packed panels, bias (or empty) and width
+  // (`set_ends`; undefined tensors otherwise): the embedding (vocab, hidden; its rows cast to the compute dtype where
+  // it is another), RoPE rows (positions, D) in the compute dtype, the final norm's weight and eps, the LM head's
+  // packed panels, bias (or empty) and width
   torch::Tensor embed, cos, sin, final_norm, head, head_b;
   double final_eps = 0.0;
   int64_t head_n = 0;

@@ -316,7 +316,7 @@ class Runner:
         self.k_slot = self.v_slot = None
         # decode attention over the group KV: the fused kernel where it runs, else masked SDPA (`_slot_attend`)
         self.group_kernel = r.attn_softcap is None and cpu_kernels.group_attention_runs(self.device, self.dtype, self.head_dim)
-        # the step's bookkeeping in C++ (slot layout, KV save; the engine's draw records): each small tensor op it
+        # the step's bookkeeping in C++ (slot layout and paged rows; the engine's draw records): each small tensor op it
         # replaces costs tens of microseconds in a decode step. False: their tensor-op twins, as on other devices.
         self.step_kernels = cpu_kernels.step_kernels_run(self.device)
         # decode over the group KV with every layer in one C++ call where the model allows (`_loop_args`)
@@ -614,7 +614,7 @@ class Runner:
             return self.logits(self._forward(tokens, positions, None, self._slot_attend(positions, rows, block_tables)))
         bs, B = self.block_size, tokens.shape[0]
         tables = block_tables[rows, :int(positions.max()) // bs + 1]  # (B, nb)
-        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        slots = self._paged_rows(positions, rows, block_tables)
         T = tables.shape[1] * bs
         kpos, qpos = torch.arange(T, device=self.device)[None, :], positions[:, None]
         masks = {w: ((kpos <= qpos) if w is None else (kpos <= qpos) & (qpos - kpos < w)).view(B, 1, 1, T)
